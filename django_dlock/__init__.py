@@ -1,0 +1,49 @@
+"""Database-backed distributed locks for Django.
+
+>>> import django_dlock as dlock
+>>> with dlock.lock("invoice:42", timeout=5, ttl=30):
+...     ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django_dlock.exceptions import (
+    DLockError,
+    InvalidLockKey,
+    LockLost,
+    LockNotOwned,
+    LockReentrantError,
+    LockTimeout,
+    StrategyNotSupported,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DLockError",
+    "InvalidLockKey",
+    "Lock",
+    "LockLost",
+    "LockNotOwned",
+    "LockReentrantError",
+    "LockTimeout",
+    "StrategyNotSupported",
+    "__version__",
+    "lock",
+]
+
+if TYPE_CHECKING:
+    from django_dlock.locks import Lock, lock
+
+
+def __getattr__(name: str) -> Any:
+    # The lock machinery imports Django's database layer; load it lazily so
+    # that ``import django_dlock`` works before ``django.setup()`` (settings,
+    # INSTALLED_APPS, the AppConfig).
+    if name in ("Lock", "lock"):
+        from django_dlock import locks
+
+        return getattr(locks, name)
+    raise AttributeError(f"module 'django_dlock' has no attribute {name!r}")

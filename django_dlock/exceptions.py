@@ -1,0 +1,56 @@
+"""The error hierarchy of django-dlock.
+
+Every error the library raises on purpose derives from :class:`DLockError`,
+so ``except dlock.DLockError`` catches all of them. Driver errors that carry
+a lock meaning (such as PostgreSQL's SQLSTATE 55P03, ``lock_not_available``)
+are translated into these classes, never leaked.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DLockError",
+    "InvalidLockKey",
+    "LockLost",
+    "LockNotOwned",
+    "LockReentrantError",
+    "LockTimeout",
+    "StrategyNotSupported",
+]
+
+
+class DLockError(Exception):
+    """Base class of every django-dlock error."""
+
+
+class LockTimeout(DLockError, TimeoutError):
+    """The lock could not be acquired within the timeout."""
+
+
+class LockNotOwned(DLockError):
+    """Release or extend was asked of a lock the caller does not hold.
+
+    Nothing was changed in the database.
+    """
+
+
+class LockLost(LockNotOwned):
+    """A lock that was held is no longer held.
+
+    Raised when a lease expired and was taken over by another holder, when
+    a background renewal failed, or when the database session that held an
+    advisory lock ended. It is a :class:`LockNotOwned`, because the caller
+    no longer owns the lock.
+    """
+
+
+class LockReentrantError(DLockError):
+    """The caller already holds the lock and ``reentrant=False`` was given."""
+
+
+class StrategyNotSupported(DLockError):
+    """The strategy is unknown, or the database cannot do it."""
+
+
+class InvalidLockKey(DLockError, ValueError):
+    """The key is empty, too long, of a wrong type or out of range."""

@@ -1,0 +1,110 @@
+"""Who holds a lock: the worker identity and the per-thread / per-task holder.
+
+* The **worker** is this process: host, pid and random bits. It is renewed in
+  a child after ``fork`` so that two processes never share an identity.
+* A **holder** is the current asyncio task if one is running in this thread,
+  else the current thread. Two threads, or two tasks in one thread, are two
+  holders and contend with each other.
+* A holder's **token** (``<worker bits>-<holder bits>``) is what the database
+  stores to say who owns a lease. The same holder always presents the same
+  token; the token is random, so it cannot be guessed from the ``owner``
+  text that the admin shows.
+
+Each holder keeps its own re-entrancy table (``holder.holdings``): the locks
+it holds, with their counts. The table dies with the thread or task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Worker:
+    """This process's identity."""
+
+    host: str
+    pid: int
+    bits: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.host} pid={self.pid}"
+
+
+def _new_worker() -> Worker:
+    return Worker(host=socket.gethostname()[:100], pid=os.getpid(), bits=secrets.token_hex(8))
+
+
+_worker = _new_worker()
+
+
+def worker() -> Worker:
+    """The identity of this process (renewed after ``fork``)."""
+    return _worker
+
+
+@dataclass(eq=False)
+class Holder:
+    """A thread or an asyncio task that can hold locks."""
+
+    kind: str  # "thread" or "task"
+    label: str
+    bits: str = field(default_factory=lambda: secrets.token_hex(8))
+    #: re-entrancy table: (alias, strategy family, name) -> holding object
+    holdings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+
+    def token(self, worker_bits: str | None = None) -> str:
+        return f"{worker_bits or _worker.bits}-{self.bits}"
+
+    def owner(self, worker_label: str | None = None) -> str:
+        return f"{worker_label or _worker.label} {self.kind}={self.label}"[:255]
+
+
+_threads = threading.local()
+_tasks: weakref.WeakKeyDictionary[asyncio.Task[Any], Holder] = weakref.WeakKeyDictionary()
+_tasks_mutex = threading.Lock()
+
+
+def current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop in this thread
+        return None
+
+
+def current_holder() -> Holder:
+    """The holder for the calling context: its asyncio task, else its thread."""
+    task = current_task()
+    if task is not None:
+        with _tasks_mutex:
+            holder = _tasks.get(task)
+            if holder is None:
+                holder = Holder(kind="task", label=task.get_name())
+                _tasks[task] = holder
+        return holder
+    holder = getattr(_threads, "holder", None)
+    if holder is None:
+        holder = Holder(kind="thread", label=threading.current_thread().name)
+        _threads.holder = holder
+    return holder
+
+
+def _after_fork_in_child() -> None:
+    # A child must not inherit the parent's identity or believe it holds the
+    # parent's locks.
+    global _worker, _threads, _tasks, _tasks_mutex
+    _worker = _new_worker()
+    _threads = threading.local()
+    _tasks = weakref.WeakKeyDictionary()
+    _tasks_mutex = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

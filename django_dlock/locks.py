@@ -1,0 +1,631 @@
+"""``Lock`` / ``lock()``: the one front object of django-dlock.
+
+One object serves as context manager (sync and async), decorator and
+explicit API::
+
+    with dlock.lock("invoice:42", timeout=5, ttl=30): ...
+    async with dlock.lock("sync-catalog"): ...
+
+    @dlock.lock(timeout=0, on_fail="skip")      # key: "module.qualname"
+    def nightly_report(): ...
+
+    lk = dlock.lock(("order", 42))
+    if lk.acquire(timeout=0):
+        try: ...
+        finally: lk.release()
+
+A ``Lock`` object holds no lock state of its own: what is held belongs to the
+*holder* that acquired it (the current thread, or the current asyncio task;
+see :mod:`django_dlock.identity`). One ``Lock`` object can therefore be shared
+freely, for instance as a decorator called from many threads, and its
+properties (``fence``, ``lost``, ``token``) answer for the calling holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from asgiref.sync import sync_to_async
+from django.db import connections, router
+
+from django_dlock import signals
+from django_dlock.conf import (
+    conf,
+    retry_interval_error,
+    strategy_error,
+    timeout_error,
+    ttl_error,
+)
+from django_dlock.exceptions import (
+    DLockError,
+    InvalidLockKey,
+    LockLost,
+    LockNotOwned,
+    LockReentrantError,
+    LockTimeout,
+    StrategyNotSupported,
+)
+from django_dlock.identity import Holder, current_holder
+from django_dlock.keys import Key, make_key
+from django_dlock.renewal import Renewer
+from django_dlock.retry import Deadline
+from django_dlock.strategies import get_strategy
+from django_dlock.strategies.base import Request, Strategy
+
+__all__ = ["Lock", "lock"]
+
+logger = logging.getLogger("django_dlock")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(eq=False)
+class Holding:
+    """One key held by one holder: the re-entrancy count and what we know."""
+
+    request: Request
+    strategy: Strategy
+    fence: int | None
+    acquired_at: float = field(default_factory=time.monotonic)
+    count: int = 1
+    lost: bool = False
+    lost_reason: str = ""
+    renewer: Renewer | None = None
+    on_lost: Callable[[LockLost], None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.request.key.name
+
+    def error(self) -> LockLost:
+        return LockLost(f"lock {self.name!r} was lost: {self.lost_reason}")
+
+    def mark_lost(self, reason: str) -> None:
+        """Record the loss once: log, send ``lock_lost``, call ``on_lost``."""
+        if self.lost:
+            return
+        self.lost = True
+        self.lost_reason = reason
+        logger.warning("django-dlock: lost %s: %s", self.name, reason)
+        signals.lock_lost.send(Lock, name=self.name, strategy=self.strategy.name, reason=reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self.error())
+            except Exception:
+                logger.exception("django-dlock: on_lost callback of %s raised", self.name)
+
+
+def _number_or_none(value: object, what: str, allow_zero: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be a finite number of seconds {bound}, got {value!r}")
+    return float(value)
+
+
+def _validated(problem: str | None) -> None:
+    if problem is not None:
+        raise ValueError(problem)
+
+
+class Lock:
+    """A distributed lock on one key, or on several keys at once.
+
+    Args:
+        key: a string, a two-part tuple ``(a, b)``, a saved model instance, or
+            a *list* of those to lock all of them (acquired in sorted order,
+            all or none). Omit it when decorating: the key is then the
+            function's ``module.qualname``.
+        strategy: ``"lease"`` (default: ``DLOCK_DEFAULT_STRATEGY``),
+            ``"row"``, ``"advisory"`` or ``"advisory_xact"``.
+        ttl: lease length in seconds (``DLOCK_DEFAULT_TTL``).
+        timeout: how long ``acquire``/``with`` waits: ``None`` forever,
+            ``0`` one try, ``n`` up to n seconds (``DLOCK_DEFAULT_TIMEOUT``).
+        using: database alias (default: the router's write database for
+            :class:`django_dlock.models.Lock`).
+        renew: renew the lease in the background at about ``ttl / 3``.
+        max_hold: with ``renew``, stop renewing this many seconds after
+            the acquisition; the lease then runs out.
+        reentrant: if false, acquiring a key the caller already holds
+            raises :class:`LockReentrantError` instead of counting.
+        retry_interval: waiting policy when the database cannot wake
+            waiters: seconds (jittered) or a function of the attempt number.
+        on_lost: called with a :class:`LockLost` when the lock is lost
+            (from the renewal thread).
+        on_fail: for the decorator: ``"raise"`` (:class:`LockTimeout`) or
+            ``"skip"`` (return ``None`` without calling the function).
+        shared: take a shared (read) lock where the strategy supports it.
+
+    Raises:
+        InvalidLockKey: the key is not a valid key.
+        ValueError: ``ttl``, ``timeout``, ``max_hold`` or another argument
+            is out of range.
+        StrategyNotSupported: the strategy is unknown.
+    """
+
+    namespace = "lock"
+
+    def __init__(
+        self,
+        key: Any = None,
+        *,
+        strategy: str | None = None,
+        ttl: float | None = None,
+        timeout: float | None = UNSET,
+        using: str | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+        reentrant: bool = True,
+        retry_interval: Any = None,
+        on_lost: Callable[[LockLost], None] | None = None,
+        on_fail: str = "raise",
+        shared: bool = False,
+    ) -> None:
+        self._raw_key = key
+        self._keys: list[Key] | None = None if key is None else self._make_keys(key)
+        self.strategy_name = strategy if strategy is not None else conf.DEFAULT_STRATEGY
+        problem = strategy_error(self.strategy_name)
+        if problem is not None:
+            raise StrategyNotSupported(problem)
+        self.ttl = conf.DEFAULT_TTL if ttl is None else ttl
+        _validated(ttl_error(self.ttl))
+        self.ttl = float(self.ttl)
+        self.timeout = conf.DEFAULT_TIMEOUT if timeout is UNSET else timeout
+        _validated(timeout_error(self.timeout))
+        self.max_hold = _number_or_none(max_hold, "max_hold", allow_zero=False)
+        self.retry_interval = conf.RETRY_INTERVAL if retry_interval is None else retry_interval
+        _validated(retry_interval_error(self.retry_interval))
+        if on_fail not in ("raise", "skip"):
+            raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
+        if using is not None and using not in connections:
+            raise ValueError(f"unknown database alias {using!r}")
+        self.using = using
+        self.renew = bool(renew)
+        self.reentrant = bool(reentrant)
+        self.on_lost = on_lost
+        self.on_fail = on_fail
+        self.shared = bool(shared)
+
+    # -- keys ----------------------------------------------------------------
+
+    def _make_keys(self, key: Any) -> list[Key]:
+        if isinstance(key, (list, set, frozenset)):
+            if not key:
+                raise InvalidLockKey("a list of keys must not be empty")
+            keys = {made.name: made for made in (make_key(k, self.namespace) for k in key)}
+            return [keys[name] for name in sorted(keys)]
+        return [make_key(key, self.namespace)]
+
+    @property
+    def keys(self) -> list[Key]:
+        if self._keys is None:
+            raise InvalidLockKey(
+                "this lock has no key; give one, or use it as a decorator "
+                "(the key is then the function's module.qualname)"
+            )
+        return self._keys
+
+    @property
+    def name(self) -> str:
+        """The stored (namespaced) name, e.g. ``"lock:invoice:42"``."""
+        return ", ".join(key.name for key in self.keys)
+
+    @property
+    def alias(self) -> str:
+        if self.using is not None:
+            return self.using
+        from django_dlock.models import Lock as LockModel
+
+        return router.db_for_write(LockModel) or "default"
+
+    def _strategy(self, alias: str) -> Strategy:
+        strategy = get_strategy(self.strategy_name)
+        strategy.check_supported(connections[alias])
+        return strategy
+
+    # -- the calling holder's view -----------------------------------------
+
+    def _holdings(self, holder: Holder | None = None) -> list[Holding]:
+        holder = holder or current_holder()
+        alias = self.alias
+        family = get_strategy(self.strategy_name).family
+        found = []
+        for key in self.keys:
+            holding = holder.holdings.get((alias, family, key.name))
+            if holding is not None:
+                found.append(holding)
+        return found
+
+    @property
+    def token(self) -> str:
+        """The calling thread's or task's token (what the database stores)."""
+        return current_holder().token()
+
+    @property
+    def fence(self) -> int | None:
+        """Fencing number of the calling holder's holding (``None`` if not held).
+
+        For a lock on several keys use :attr:`fences`.
+        """
+        if len(self.keys) != 1:
+            raise DLockError("this lock has several keys: use .fences")
+        held = self._holdings()
+        return held[0].fence if held else None
+
+    @property
+    def fences(self) -> dict[str, int | None]:
+        """Fencing number per key name of the calling holder's holdings."""
+        return {h.name: h.fence for h in self._holdings()}
+
+    @property
+    def lost(self) -> bool:
+        """True when a lock the caller holds has been lost (not yet released)."""
+        return any(h.lost for h in self._holdings())
+
+    def held(self) -> bool:
+        """Whether the calling holder holds every key (in memory, no query)."""
+        held = self._holdings()
+        return len(held) == len(self.keys) and not any(h.lost for h in held)
+
+    # -- acquire ---------------------------------------------------------------
+
+    def _resolve_timeout(self, blocking: bool, timeout: float | None) -> float | None:
+        if not blocking:
+            return 0.0
+        if timeout is UNSET:
+            return self.timeout
+        _validated(timeout_error(timeout))
+        return timeout
+
+    def _reenter(self, holder: Holder, alias: str, strategy: Strategy, key: Key) -> bool:
+        """Count a re-entry if the holder already holds ``key``."""
+        holding = holder.holdings.get((alias, strategy.family, key.name))
+        if holding is None:
+            return False
+        if holding.lost:
+            raise holding.error()
+        if not self.reentrant:
+            raise LockReentrantError(
+                f"{key.name!r} is already held by this {holder.kind} and reentrant=False"
+            )
+        holding.count += 1
+        return True
+
+    def _request(self, holder: Holder, alias: str, key: Key) -> Request:
+        ttl = self.ttl if self.max_hold is None else min(self.ttl, self.max_hold)
+        return Request(
+            key=key,
+            alias=alias,
+            token=holder.token(),
+            owner=holder.owner(),
+            ttl=ttl,
+            shared=self.shared,
+        )
+
+    def _held(
+        self, holder: Holder, strategy: Strategy, req: Request, fence: int | None, wait: float
+    ) -> Holding:
+        holding = Holding(request=req, strategy=strategy, fence=fence, on_lost=self.on_lost)
+        holder.holdings[(req.alias, strategy.family, req.key.name)] = holding
+        if self.renew:
+            renewer = Renewer(
+                name=req.key.name,
+                alias=req.alias,
+                ttl=self.ttl,
+                max_hold=self.max_hold,
+                extend=functools.partial(strategy.extend, req),
+                on_lost=holding.mark_lost,
+            )
+            holding.renewer = renewer
+            renewer.start()
+        logger.debug("django-dlock: acquired %s (fence %s) after %.3fs", req.key.name, fence, wait)
+        signals.lock_acquired.send(
+            Lock, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
+        )
+        return holding
+
+    def acquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
+        """Acquire the lock; ``True`` if acquired, ``False`` on timeout.
+
+        ``timeout`` overrides the lock's timeout for this call (``None``
+        waits forever, ``0`` tries once); ``blocking=False`` is ``timeout=0``.
+        """
+        deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        holder = current_holder()
+        alias = self.alias
+        strategy = self._strategy(alias)
+        taken: list[Key] = []
+        try:
+            for key in self.keys:
+                if not self._reenter(holder, alias, strategy, key):
+                    req = self._request(holder, alias, key)
+                    grant = strategy.acquire(req, deadline, self.retry_interval)
+                    if grant is None:
+                        self._undo(holder, alias, strategy, taken)
+                        self._contended(key, deadline)
+                        return False
+                    self._held(holder, strategy, req, grant.fence, deadline.elapsed())
+                taken.append(key)
+        except BaseException:
+            self._undo(holder, alias, strategy, taken)
+            raise
+        return True
+
+    async def aacquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
+        """Async :meth:`acquire`: waits without blocking the event loop."""
+        deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        holder = current_holder()
+        alias = self.alias
+        strategy = self._strategy(alias)
+        taken: list[Key] = []
+        try:
+            for key in self.keys:
+                if not self._reenter(holder, alias, strategy, key):
+                    req = self._request(holder, alias, key)
+                    grant = await strategy.aacquire(req, deadline, self.retry_interval)
+                    if grant is None:
+                        await sync_to_async(self._undo)(holder, alias, strategy, taken)
+                        self._contended(key, deadline)
+                        return False
+                    self._held(holder, strategy, req, grant.fence, deadline.elapsed())
+                taken.append(key)
+        except BaseException:
+            await sync_to_async(self._undo)(holder, alias, strategy, taken)
+            raise
+        return True
+
+    def _contended(self, key: Key, deadline: Deadline) -> None:
+        logger.warning(
+            "django-dlock: %s is held by someone else; gave up after %.3fs",
+            key.name,
+            deadline.elapsed(),
+        )
+
+    def _undo(self, holder: Holder, alias: str, strategy: Strategy, taken: list[Key]) -> None:
+        """Give back what a failed many-key acquire took (all or none)."""
+        for key in reversed(taken):
+            holding = holder.holdings.get((alias, strategy.family, key.name))
+            if holding is not None:
+                with contextlib.suppress(DLockError):
+                    self._release_one(holder, holding)
+
+    # -- release and extend ---------------------------------------------------
+
+    def _release_one(self, holder: Holder, holding: Holding) -> None:
+        holding.count -= 1
+        if holding.count > 0:
+            return
+        req = holding.request
+        del holder.holdings[(req.alias, holding.strategy.family, req.key.name)]
+        renewer_error: BaseException | None = None
+        if holding.renewer is not None:
+            try:
+                holding.renewer.stop()
+            except BaseException as exc:
+                renewer_error = exc
+        if not holding.lost and not holding.strategy.release(req):
+            holding.mark_lost("the lease had expired and was taken over before release")
+        if holding.lost:
+            raise holding.error()
+        held = time.monotonic() - holding.acquired_at
+        logger.debug("django-dlock: released %s after %.3fs", req.key.name, held)
+        signals.lock_released.send(
+            Lock, name=req.key.name, strategy=holding.strategy.name, held=held
+        )
+        if renewer_error is not None:
+            raise renewer_error
+
+    def release(self) -> None:
+        """Release the lock (one level of re-entry).
+
+        Raises:
+            LockNotOwned: the calling thread or task does not hold it.
+            LockLost: it was held but has been lost (the lease was taken
+                over, or a renewal failed). Nothing is changed.
+        """
+        holder = current_holder()
+        holdings = self._holdings(holder)
+        if len(holdings) != len(self.keys):
+            holder_name = f"{holder.kind} {holder.label!r}"
+            raise LockNotOwned(f"{self.name!r} is not held by this {holder_name}")
+        first_error: BaseException | None = None
+        for holding in reversed(holdings):
+            try:
+                self._release_one(holder, holding)
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    async def arelease(self) -> None:
+        """Async :meth:`release`."""
+        holder = current_holder()
+        holdings = self._holdings(holder)
+        if len(holdings) != len(self.keys):
+            raise LockNotOwned(f"{self.name!r} is not held by this task")
+        await sync_to_async(self._release_all)(holder, holdings)
+
+    def _release_all(self, holder: Holder, holdings: Iterable[Holding]) -> None:
+        first_error: BaseException | None = None
+        for holding in reversed(list(holdings)):
+            try:
+                self._release_one(holder, holding)
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Renew the lease for ``ttl`` seconds from now (database time).
+
+        Raises:
+            LockNotOwned: the caller does not hold the lock.
+            LockLost: the lease was taken over; nothing was changed.
+        """
+        self._extend_all(self._holdings_to_extend(), ttl)
+
+    async def aextend(self, ttl: float | None = None) -> None:
+        """Async :meth:`extend`."""
+        await sync_to_async(self._extend_all)(self._holdings_to_extend(), ttl)
+
+    def _holdings_to_extend(self) -> list[Holding]:
+        holdings = self._holdings()
+        if len(holdings) != len(self.keys):
+            raise LockNotOwned(f"{self.name!r} is not held by the caller")
+        return holdings
+
+    def _extend_all(self, holdings: list[Holding], ttl: float | None) -> None:
+        seconds = self.ttl if ttl is None else ttl
+        _validated(ttl_error(seconds))
+        for holding in holdings:
+            if holding.lost:
+                raise holding.error()
+            if not holding.strategy.extend(holding.request, float(seconds)):
+                holding.mark_lost("the lease had expired and was taken over before extend")
+                raise holding.error()
+
+    # -- inspection (asks the database) -----------------------------------------
+
+    def locked(self) -> bool:
+        """Whether anyone holds any of the keys now (database query)."""
+        alias = self.alias
+        strategy = self._strategy(alias)
+        return any(strategy.locked(alias, key) for key in self.keys)
+
+    def owned(self) -> bool:
+        """Whether the calling holder holds every key, according to the database."""
+        holdings = self._holdings()
+        if len(holdings) != len(self.keys) or any(h.lost for h in holdings):
+            return False
+        return all(h.strategy.owned(h.request) for h in holdings)
+
+    # -- context managers ----------------------------------------------------
+
+    def _timeout_error(self) -> LockTimeout:
+        return LockTimeout(f"could not acquire {self.name!r} within {self.timeout} s")
+
+    def __enter__(self) -> Lock:
+        if not self.acquire():
+            raise self._timeout_error()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._exit(self.release, exc)
+
+    async def __aenter__(self) -> Lock:
+        if not await self.aacquire():
+            raise self._timeout_error()
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            await self.arelease()
+        except LockLost:
+            if exc is None:
+                raise
+            logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
+
+    def _exit(self, release: Callable[[], None], exc: BaseException | None) -> None:
+        try:
+            release()
+        except LockLost:
+            # Leaving the block raises LockLost, but never hides the body's
+            # own exception.
+            if exc is None:
+                raise
+            logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
+
+    # -- decorator ----------------------------------------------------------------
+
+    def _for_function(self, func: Callable[..., Any]) -> Lock:
+        if self._keys is not None:
+            return self
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound._keys = bound._make_keys(f"{func.__module__}.{func.__qualname__}")
+        return bound
+
+    def _skipped(self) -> None:
+        logger.info("django-dlock: skipped, %s is held by someone else", self.name)
+        signals.lock_skipped.send(type(self), name=self.name, reason="held")
+
+    def __call__(self, func: F) -> F:
+        """Use the lock as a decorator (sync or async functions)."""
+        lk = self._for_function(func)
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                if not await lk.aacquire():
+                    if lk.on_fail == "skip":
+                        lk._skipped()
+                        return None
+                    raise lk._timeout_error()
+                try:
+                    result = await func(*args, **kwargs)
+                except BaseException as exc:
+                    await lk.__aexit__(type(exc), exc, None)
+                    raise
+                await lk.__aexit__(None, None, None)
+                return result
+
+            return cast(F, async_wrapper)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not lk.acquire():
+                if lk.on_fail == "skip":
+                    lk._skipped()
+                    return None
+                raise lk._timeout_error()
+            with _Releasing(lk):
+                return func(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    def __repr__(self) -> str:
+        keys = "<decorator>" if self._keys is None else self.name
+        return f"<{type(self).__name__} {keys} strategy={self.strategy_name}>"
+
+
+class _Releasing:
+    """Release an already acquired lock on leaving, like ``Lock.__exit__``."""
+
+    def __init__(self, lk: Lock) -> None:
+        self.lk = lk
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.lk._exit(self.lk.release, exc)
+
+
+def lock(key: Any = None, **options: Any) -> Any:
+    """Create a :class:`Lock` (see its arguments).
+
+    ``@dlock.lock`` without parentheses decorates a function with the key
+    ``module.qualname``.
+    """
+    if not options and (inspect.isfunction(key) or inspect.ismethod(key)):
+        return Lock()(key)
+    return Lock(key, **options)

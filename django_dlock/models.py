@@ -1,0 +1,75 @@
+"""The ``Lock`` model: one row per lease (held, or free and keeping its history)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.db import models
+
+from django_dlock.dbclock import DbNow
+
+if TYPE_CHECKING:
+    from django.db.models.manager import Manager
+
+
+class LockQuerySet(models.QuerySet["Lock"]):
+    """Queries judged on the database clock."""
+
+    def held(self) -> LockQuerySet:
+        """Leases whose ``expire_at`` is still in the future (database time)."""
+        return self.filter(expire_at__gt=DbNow())
+
+    def expired(self) -> LockQuerySet:
+        """Leases that are free: expired or released (database time)."""
+        return self.filter(expire_at__lte=DbNow())
+
+
+class Lock(models.Model):
+    """A lease on a named lock.
+
+    A row is written by the ``lease`` strategy when a lock is acquired. A
+    release keeps the row but ends its lease (``expire_at`` = now, empty
+    ``token``), so the key's fencing history survives until
+    ``dlock_cleanup`` removes free rows. The ``row`` strategy locks the same
+    rows with ``SELECT ... FOR UPDATE``.
+    """
+
+    name = models.CharField(max_length=300, unique=True, help_text="namespaced key")
+    token = models.CharField(max_length=64, blank=True, default="", editable=False)
+    owner = models.CharField(
+        max_length=255, blank=True, default="", help_text="host, pid and thread or task"
+    )
+    fence = models.BigIntegerField(default=0, help_text="fencing number of the latest holding")
+    acquired_at = models.DateTimeField(null=True, blank=True)
+    expire_at = models.DateTimeField(db_index=True)
+
+    objects: Manager[Lock] = LockQuerySet.as_manager()  # type: ignore[assignment]
+
+    class Meta:
+        db_table = "django_dlock_lock"
+        ordering = ["name"]
+        verbose_name = "lock"
+        verbose_name_plural = "locks"
+        permissions = [("force_release_lock", "Can force-release locks")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class FenceFloor(models.Model):
+    """The high-water mark of fencing numbers of deleted rows.
+
+    Used on SQLite and MySQL/MariaDB, where a key's first fence after its
+    row was deleted must still exceed every fence issued before. (On
+    PostgreSQL fencing numbers come from the ``django_dlock_fence`` sequence.)
+    A single row with ``id = 1``.
+    """
+
+    value = models.BigIntegerField(default=0)
+
+    class Meta:
+        db_table = "django_dlock_fencefloor"
+        verbose_name = "fence floor"
+
+    def __str__(self) -> str:
+        return str(self.value)

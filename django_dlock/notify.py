@@ -1,0 +1,180 @@
+"""Wake-ups for lease waiters on PostgreSQL (``LISTEN django_dlock``).
+
+One listener per process and database alias: a daemon thread with its own
+psycopg connection in autocommit mode that has run ``LISTEN django_dlock``.
+A release sends ``pg_notify('django_dlock', name)`` in the same statement
+that ends the lease, so the waiters on that name wake as soon as the release
+commits, without polling.
+
+A waiter registers before it looks at the lock, so a release that happens
+between the look and the wait still wakes it. If the listener's connection
+fails, every waiter is woken (they re-check the lock) and the listener
+reconnects; waiters never depend on it alone, they also wake when the lease
+they wait for would expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+
+logger = logging.getLogger("django_dlock")
+
+CHANNEL = "django_dlock"
+
+
+class Waiter:
+    """Something to wake: a thread's event or an asyncio event in a loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.loop = loop
+        self.thread_event = threading.Event()
+        self.async_event = asyncio.Event() if loop is not None else None
+
+    def wake(self) -> None:
+        if self.loop is not None and self.async_event is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                self.loop.call_soon_threadsafe(self.async_event.set)
+        else:
+            self.thread_event.set()
+
+    def clear(self) -> None:
+        self.thread_event.clear()
+        if self.async_event is not None:
+            self.async_event.clear()
+
+
+class Listener:
+    """The LISTEN connection of one database alias in this process."""
+
+    def __init__(self, alias: str, connect: Callable[[], Any]) -> None:
+        self.alias = alias
+        self._connect = connect
+        self._mutex = threading.Lock()
+        self._waiters: dict[str, set[Waiter]] = {}
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self.healthy = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"django-dlock-listen-{alias}", daemon=True
+        )
+        self._thread.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    def register(self, name: str, waiter: Waiter) -> None:
+        with self._mutex:
+            self._waiters.setdefault(name, set()).add(waiter)
+
+    def unregister(self, name: str, waiter: Waiter) -> None:
+        with self._mutex:
+            waiters = self._waiters.get(name)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[name]
+
+    def _wake(self, name: str | None) -> None:
+        with self._mutex:
+            if name is None:
+                targets = [w for ws in self._waiters.values() for w in ws]
+            else:
+                targets = list(self._waiters.get(name, ()))
+        for waiter in targets:
+            waiter.wake()
+
+    def stop(self, wait: bool = True) -> None:
+        self._stopped.set()
+        if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopped.is_set():
+            try:
+                conn = self._connect()
+            except Exception as exc:  # database down: wake waiters, retry later
+                logger.warning("django-dlock: cannot LISTEN on %r: %s", self.alias, exc)
+                self.healthy = False
+                self._ready.set()
+                self._wake(None)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            try:
+                conn.execute(f"LISTEN {CHANNEL}")
+                self.healthy = True
+                self._ready.set()
+                # Anything released while we were not listening is caught
+                # by the waiters' own re-checks after this wake-up.
+                self._wake(None)
+                while not self._stopped.is_set():
+                    for notify in conn.notifies(timeout=1.0):
+                        self._wake(notify.payload)
+            except Exception as exc:
+                logger.warning("django-dlock: LISTEN connection on %r lost: %s", self.alias, exc)
+            finally:
+                self.healthy = False
+                self._wake(None)
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+
+_listeners: dict[str, Listener] = {}
+_listeners_mutex = threading.Lock()
+_orphans: list[Any] = []
+
+
+def _connect_like(alias: str) -> Callable[[], Any]:
+    def connect() -> Any:
+        import psycopg
+
+        wrapper = connections[alias]
+        params = wrapper.get_connection_params()
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        params.pop("prepare_threshold", None)
+        params.pop("server_side_binding", None)
+        return psycopg.Connection.connect(autocommit=True, **params)
+
+    return connect
+
+
+def listener(alias: str) -> Listener:
+    """The running listener of ``alias`` in this process (started on first use)."""
+    with _listeners_mutex:
+        found = _listeners.get(alias)
+        if found is None:
+            found = _listeners[alias] = Listener(alias, _connect_like(alias))
+    return found
+
+
+def stop_all() -> None:
+    """Stop every listener of this process (used by tests and at shutdown)."""
+    with _listeners_mutex:
+        found = list(_listeners.values())
+        _listeners.clear()
+    for each in found:
+        each.stop()
+
+
+def _after_fork_in_child() -> None:
+    # The listener threads do not exist in the child. Keep the inherited
+    # objects alive (never closed: closing would end the parent's session).
+    global _listeners_mutex
+    _orphans.append(dict(_listeners))
+    _listeners.clear()
+    _listeners_mutex = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,98 @@
+"""Background renewal of a lease, and loss detection.
+
+A :class:`Renewer` is a daemon thread that calls ``extend`` about every
+``ttl / 3`` seconds. ``max_hold`` bounds the whole holding: the renewer
+shortens the last renewals so the lease ends ``max_hold`` seconds after it
+was acquired, then stops. (The expiry itself is always computed by the
+database, ``now() + ttl``; the renewer only counts elapsed seconds.)
+
+When ``extend`` reports that the caller no longer owns the lease (taken over
+or force-released), the lock is lost at once. When ``extend`` raises (the
+database is unreachable), the renewer retries quickly until the lease would
+have run out, then declares the lock lost. Either way ``on_lost(reason)`` is
+called once, from the renewer's thread. The thread closes its own database
+connection when it ends, and keeps any unexpected exception for
+:meth:`stop` to re-raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from django.db import connections
+
+from django_dlock.strategies.base import close_private_connections
+
+logger = logging.getLogger("django_dlock")
+
+
+class Renewer(threading.Thread):
+    def __init__(
+        self,
+        *,
+        name: str,
+        alias: str,
+        ttl: float,
+        extend: Callable[[float], bool],
+        on_lost: Callable[[str], None],
+        max_hold: float | None = None,
+        interval: float | None = None,
+    ) -> None:
+        super().__init__(name=f"django-dlock-renew {name}", daemon=True)
+        self.alias = alias
+        self.ttl = ttl
+        self.extend = extend
+        self.on_lost = on_lost
+        self.interval = interval if interval is not None else ttl / 3.0
+        self.started_at = time.monotonic()
+        self.hold_until = None if max_hold is None else self.started_at + max_hold
+        self.renewals = 0
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+
+    def stop(self) -> None:
+        """Stop renewing and wait for the thread; re-raise what it caught."""
+        self._stop.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # kept for stop() to re-raise
+            self._error = exc
+        finally:
+            connections[self.alias].close()
+            close_private_connections()
+
+    def _loop(self) -> None:
+        lease_end = time.monotonic() + self.ttl  # our estimate, for retries only
+        wait = self.interval
+        while not self._stop.wait(wait):
+            now = time.monotonic()
+            ttl = self.ttl
+            if self.hold_until is not None:
+                ttl = min(ttl, self.hold_until - now)
+                if ttl <= 0:
+                    return  # max_hold reached: let the lease run out
+            try:
+                still_owned = self.extend(ttl)
+            except Exception as exc:
+                if time.monotonic() >= lease_end:
+                    self.on_lost(f"renewal failed until the lease ran out: {exc}")
+                    return
+                logger.warning("django-dlock: renewal of %s failed, retrying: %s", self.name, exc)
+                wait = min(self.interval, max(0.05, (lease_end - time.monotonic()) / 4))
+                continue
+            if not still_owned:
+                self.on_lost("the lease was taken over or force-released")
+                return
+            self.renewals += 1
+            lease_end = now + ttl
+            wait = self.interval

@@ -1,0 +1,44 @@
+"""Waiting policies: deadlines, retry intervals with jitter, backoff.
+
+``retry_interval`` is either seconds (a number: each wait is that long with
+up to ±50 % random jitter, so waiters do not retry in step) or a function of
+the attempt number, 0-based, returning seconds (used as is: no jitter, you
+are in full control). Examples::
+
+    retry_interval=0.05                                   # fixed, jittered
+    retry_interval=lambda n: min(0.01 * 2**n, 1.0)        # exponential backoff
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from django_dlock.conf import RetryInterval
+
+
+class Deadline:
+    """A wait budget: ``None`` waits forever, ``0`` tries once."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.end = math.inf if timeout is None else self.start + timeout
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def interval(policy: RetryInterval, attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt`` (0-based)."""
+    if callable(policy):
+        return max(0.0, float(policy(attempt)))
+    base = float(policy)
+    return base * random.uniform(0.5, 1.5)

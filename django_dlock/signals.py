@@ -1,0 +1,19 @@
+"""Signals sent by django-dlock. Every signal is sent with ``sender=`` the
+primitive's class and these keyword arguments:
+
+* ``lock_acquired``: ``name``, ``strategy``, ``fence``, ``wait`` (seconds spent waiting)
+* ``lock_released``: ``name``, ``strategy``, ``held`` (seconds held)
+* ``lock_lost``: ``name``, ``strategy``, ``reason``
+* ``lock_skipped``: ``name``, ``reason`` (a TaskLock or ``on_fail="skip"`` skipped a run)
+* ``leader_changed``: ``name``, ``leader``, ``term``
+"""
+
+from __future__ import annotations
+
+from django.dispatch import Signal
+
+lock_acquired = Signal()
+lock_released = Signal()
+lock_lost = Signal()
+lock_skipped = Signal()
+leader_changed = Signal()

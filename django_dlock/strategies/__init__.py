@@ -1,0 +1,33 @@
+"""Strategy registry: the name given to ``lock(strategy=...)`` -> implementation."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+from django_dlock.conf import strategy_error
+from django_dlock.exceptions import StrategyNotSupported
+
+if TYPE_CHECKING:
+    from django_dlock.strategies.base import Strategy
+
+# name -> "module:attribute", imported on first use
+REGISTRY: dict[str, str] = {
+    "lease": "django_dlock.strategies.lease:lease",
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy called ``name``.
+
+    Raises:
+        StrategyNotSupported: the name is unknown or not available.
+    """
+    problem = strategy_error(name)
+    if problem is not None:
+        raise StrategyNotSupported(problem)
+    if name not in REGISTRY:
+        raise StrategyNotSupported(f"the {name!r} strategy is not available in this version")
+    module, _, attribute = REGISTRY[name].partition(":")
+    strategy: Strategy = getattr(import_module(module), attribute)
+    return strategy

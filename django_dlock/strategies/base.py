@@ -1,0 +1,130 @@
+"""The small protocol every strategy implements, and shared helpers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+
+from django_dlock.conf import RetryInterval
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A successful acquisition: the fencing number, if the strategy issues one."""
+
+    fence: int | None
+
+
+@dataclass
+class Request:
+    """What a strategy needs to act for one holder on one key."""
+
+    key: Key
+    alias: str
+    token: str
+    owner: str
+    ttl: float
+    shared: bool = False
+
+
+class Strategy(Protocol):
+    """One way of holding a lock. All methods are synchronous and blocking."""
+
+    #: name used by ``lock(strategy=...)``
+    name: str
+    #: holdings of strategies with the same family are the same lock for
+    #: re-entrancy (a holder that holds "x" by ``lease`` re-enters "x" by lease)
+    family: str
+
+    def check_supported(self, connection: BaseDatabaseWrapper) -> None:
+        """Raise :class:`StrategyNotSupported` if ``connection`` cannot do it."""
+
+    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+        """Acquire, waiting until ``deadline``; ``None`` when it passed."""
+
+    async def aacquire(
+        self, req: Request, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        """Async :meth:`acquire`: must not block the event loop while waiting."""
+
+    def try_acquire(self, req: Request) -> int | None:
+        """One attempt: the fencing number if acquired, else ``None``."""
+
+    def release(self, req: Request) -> bool:
+        """Release; ``False`` if the database says the caller no longer holds it."""
+
+    def extend(self, req: Request, ttl: float) -> bool:
+        """Renew the lease; ``False`` if the caller no longer holds it."""
+
+    def locked(self, alias: str, key: Key) -> bool:
+        """Whether anyone holds ``key`` now."""
+
+    def owned(self, req: Request) -> bool:
+        """Whether the caller holds ``key`` now, according to the database."""
+
+
+_private = threading.local()
+
+
+def lock_connection(alias: str) -> BaseDatabaseWrapper:
+    """The connection a lease statement runs on, committed on its own.
+
+    That is the thread's own Django connection while it is in autocommit
+    mode. Inside the caller's ``transaction.atomic`` block a lock write must
+    not join the caller's transaction (others would not see it until the
+    caller commits, and a rollback would undo it), so it runs on a private
+    connection of this thread, opened once and reused.
+    """
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        return connection
+    cache: dict[str, BaseDatabaseWrapper] | None = getattr(_private, "connections", None)
+    if cache is None:
+        cache = _private.connections = {}
+    private = cache.get(alias)
+    if private is None:
+        private = connection.copy()
+        cache[alias] = private
+    return private
+
+
+def close_private_connections() -> None:
+    """Close this thread's private lock connections (if any)."""
+    cache: dict[str, BaseDatabaseWrapper] = getattr(_private, "connections", {})
+    for private in cache.values():
+        private.close()
+    cache.clear()
+
+
+@contextmanager
+def cursor(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
+    """A cursor that closes a broken connection so the next call reconnects."""
+    try:
+        with connection.cursor() as cur:
+            yield cur
+    except DatabaseError:
+        if not connection.in_atomic_block and not _usable(connection):
+            connection.close()
+        raise
+
+
+def _usable(connection: BaseDatabaseWrapper) -> bool:
+    try:
+        return connection.connection is not None and bool(connection.is_usable())
+    except Exception:
+        return False
+
+
+def fetch_one(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Any:
+    with cursor(connection) as cur:
+        cur.execute(sql, params)
+        return cur.fetchone()

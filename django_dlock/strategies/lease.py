@@ -1,0 +1,319 @@
+"""The ``lease`` strategy: a row in the ``Lock`` table with an expiry.
+
+Works on PostgreSQL, SQLite and MySQL/MariaDB. Every operation is one atomic
+statement (or, on MySQL/MariaDB, one short transaction) that checks the
+holder's token and judges the lease on the database clock:
+
+* **acquire** inserts the row, or takes it over when its lease has ended
+  (``expire_at <= now``) or when it is already the caller's, and returns the
+  fencing number;
+* **release** ends the lease (``expire_at = now``, empty token) only if the
+  token matches, and on PostgreSQL sends ``NOTIFY django_dlock`` with the
+  lock's name so waiters wake at once;
+* **extend** moves ``expire_at`` only if the token matches.
+
+Fencing numbers: on PostgreSQL every acquisition by a new holder takes
+``nextval('django_dlock_fence')``: strictly greater than every number issued
+before, for any key. On SQLite and MySQL/MariaDB a key's number is its row's
+number + 1, and a new row starts above ``FenceFloor.value``, which
+``dlock_cleanup`` raises to the highest number it deletes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Generator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import IntegrityError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_dlock import dbclock, notify
+from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import StrategyNotSupported
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline, interval
+from django_dlock.strategies.base import Grant, Request, cursor, fetch_one, lock_connection
+
+#: longest a PostgreSQL waiter parks between checks when it relies on NOTIFY
+MAX_PARK = 2.0
+#: margin after a lease's end before a waiter looks again
+EXPIRY_MARGIN = 0.005
+
+# One step of the waiting plan: ("left" | "try" | "sleep", seconds to sleep)
+Step = tuple[str, float]
+
+TABLE = "django_dlock_lock"
+NOTIFY_CHANNEL = "django_dlock"
+
+_PG_ACQUIRE = f"""
+INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
+VALUES (%s, %s, %s, nextval('django_dlock_fence'), statement_timestamp(),
+        statement_timestamp() + %s * interval '1 second')
+ON CONFLICT (name) DO UPDATE SET
+    token = EXCLUDED.token,
+    owner = EXCLUDED.owner,
+    fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence
+                 ELSE nextval('django_dlock_fence') END,
+    acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
+                       ELSE EXCLUDED.acquired_at END,
+    expire_at = EXCLUDED.expire_at
+WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token
+RETURNING fence
+"""
+
+_SQLITE_ACQUIRE = f"""
+INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at)
+VALUES (%s, %s, %s,
+        COALESCE((SELECT value FROM django_dlock_fencefloor WHERE id = 1), 0) + 1,
+        {{now}}, {{now_plus}})
+ON CONFLICT (name) DO UPDATE SET
+    token = excluded.token,
+    owner = excluded.owner,
+    fence = CASE WHEN {TABLE}.token = excluded.token THEN {TABLE}.fence
+                 ELSE {TABLE}.fence + 1 END,
+    acquired_at = CASE WHEN {TABLE}.token = excluded.token THEN {TABLE}.acquired_at
+                       ELSE excluded.acquired_at END,
+    expire_at = excluded.expire_at
+WHERE {TABLE}.expire_at <= {{now}} OR {TABLE}.token = excluded.token
+RETURNING fence
+""".format(now=dbclock._NOW["sqlite"], now_plus=dbclock._NOW_PLUS["sqlite"])
+
+_MYSQL_SELECT = (
+    f"SELECT token, expire_at <= UTC_TIMESTAMP(6), fence FROM {TABLE} WHERE name = %s FOR UPDATE"
+)
+_MYSQL_TAKE = (
+    f"UPDATE {TABLE} SET token = %s, owner = %s, fence = %s, "
+    "acquired_at = IF(token = %s, acquired_at, UTC_TIMESTAMP(6)), "
+    "expire_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND "
+    "WHERE name = %s"
+)
+_MYSQL_FLOOR = "SELECT value FROM django_dlock_fencefloor WHERE id = 1 LOCK IN SHARE MODE"
+_MYSQL_INSERT = (
+    f"INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
+    "VALUES (%s, %s, %s, %s, UTC_TIMESTAMP(6), "
+    "UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND)"
+)
+
+_PG_RELEASE = f"""
+WITH released AS (
+    UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
+    WHERE name = %s AND token = %s
+    RETURNING name
+)
+SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
+"""
+
+
+class LeaseStrategy:
+    """Lease rows in the ``Lock`` table (see the module docstring)."""
+
+    name = "lease"
+    family = "lease"
+
+    def check_supported(self, connection: BaseDatabaseWrapper) -> None:
+        if connection.vendor not in ("postgresql", "sqlite", "mysql"):
+            raise StrategyNotSupported(
+                f"the lease strategy does not support the {connection.vendor!r} database"
+            )
+
+    # -- acquire ---------------------------------------------------------------
+
+    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+        fence = self.try_acquire(req)
+        if fence is not None:
+            return Grant(fence)
+        if deadline.expired():
+            return None
+        listen = self._listener(req.alias)
+        waiter = notify.Waiter()
+        if listen is not None:
+            listen.wait_ready(min(1.0, deadline.remaining()))
+            listen.register(req.key.name, waiter)
+        try:
+            plan = self._plan(deadline, policy, listen)
+            step = next(plan)
+            while True:
+                kind, pause = step
+                if kind == "left":
+                    result: Any = self.seconds_left(req.alias, req.key)
+                elif kind == "try":
+                    result = self.try_acquire(req)
+                else:
+                    waiter.thread_event.wait(pause)
+                    waiter.clear()
+                    result = None
+                step = plan.send(result)
+        except StopIteration as done:
+            return None if done.value is None else Grant(done.value)
+        finally:
+            if listen is not None:
+                listen.unregister(req.key.name, waiter)
+
+    async def aacquire(
+        self, req: Request, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        fence = await sync_to_async(self.try_acquire)(req)
+        if fence is not None:
+            return Grant(fence)
+        if deadline.expired():
+            return None
+        listen = self._listener(req.alias)
+        waiter = notify.Waiter(asyncio.get_running_loop())
+        assert waiter.async_event is not None
+        if listen is not None:
+            await sync_to_async(listen.wait_ready, thread_sensitive=False)(
+                min(1.0, deadline.remaining())
+            )
+            listen.register(req.key.name, waiter)
+        try:
+            plan = self._plan(deadline, policy, listen)
+            step = next(plan)
+            while True:
+                kind, pause = step
+                if kind == "left":
+                    result: Any = await sync_to_async(self.seconds_left)(req.alias, req.key)
+                elif kind == "try":
+                    result = await sync_to_async(self.try_acquire)(req)
+                else:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(waiter.async_event.wait(), pause)
+                    waiter.clear()
+                    result = None
+                step = plan.send(result)
+        except StopIteration as done:
+            return None if done.value is None else Grant(done.value)
+        finally:
+            if listen is not None:
+                listen.unregister(req.key.name, waiter)
+
+    def _listener(self, alias: str) -> notify.Listener | None:
+        if connections[alias].vendor != "postgresql":
+            return None
+        return notify.listener(alias)
+
+    def _plan(
+        self, deadline: Deadline, policy: RetryInterval, listen: notify.Listener | None
+    ) -> Generator[Step, Any, int | None]:
+        """How a waiter waits, as steps for a sync or an async driver.
+
+        Look cheaply (a read) before writing: only when the lease has ended
+        is an acquisition tried. Between looks, park until a NOTIFY wakes us
+        (PostgreSQL) or the retry interval passes (elsewhere), and never
+        past the end of the current lease or of the deadline.
+        """
+        attempt = 0
+        while True:
+            left: float = yield ("left", 0.0)
+            if left <= 0:
+                fence: int | None = yield ("try", 0.0)
+                if fence is not None:
+                    return fence
+                left = 0.0
+            if deadline.expired():
+                return None
+            if listen is not None and listen.healthy:
+                pause = min(MAX_PARK, left + EXPIRY_MARGIN)
+            else:
+                pause = interval(policy, attempt)
+                if left > 0:
+                    pause = min(pause, left + EXPIRY_MARGIN)
+            yield ("sleep", max(0.0, min(pause, deadline.remaining())))
+            attempt += 1
+
+    def try_acquire(self, req: Request) -> int | None:
+        connection = lock_connection(req.alias)
+        vendor = dbclock.vendor(connection)
+        if vendor == "mysql":
+            return self._mysql_acquire(connection, req)
+        sql = _PG_ACQUIRE if vendor == "postgresql" else _SQLITE_ACQUIRE
+        row = fetch_one(connection, sql, [req.key.name, req.token, req.owner, req.ttl])
+        return None if row is None else int(row[0])
+
+    def _mysql_acquire(self, connection: BaseDatabaseWrapper, req: Request) -> int | None:
+        # One short transaction: lock the row, decide, write. A missing row
+        # is inserted above the fence floor; two racing inserters are told
+        # apart by the unique index (the loser retries once).
+        for _attempt in range(2):
+            with cursor(connection) as cur:
+                cur.execute("START TRANSACTION")
+                try:
+                    fence = self._mysql_take(cur, req)
+                except IntegrityError:
+                    cur.execute("ROLLBACK")
+                    continue
+                except BaseException:
+                    cur.execute("ROLLBACK")
+                    raise
+                cur.execute("COMMIT" if fence is not None else "ROLLBACK")
+                return fence
+        return None
+
+    def _mysql_take(self, cur: Any, req: Request) -> int | None:
+        cur.execute(_MYSQL_SELECT, [req.key.name])
+        row = cur.fetchone()
+        if row is None:
+            cur.execute(_MYSQL_FLOOR)
+            floor = cur.fetchone()
+            fence = (int(floor[0]) if floor else 0) + 1
+            cur.execute(_MYSQL_INSERT, [req.key.name, req.token, req.owner, fence, req.ttl])
+            return fence
+        token, free, fence = row[0], bool(row[1]), int(row[2])
+        if token == req.token:
+            new_fence = fence
+        elif free:
+            new_fence = fence + 1
+        else:
+            return None
+        cur.execute(
+            _MYSQL_TAKE, [req.token, req.owner, new_fence, req.token, req.ttl, req.key.name]
+        )
+        return new_fence
+
+    # -- release, extend, inspect ---------------------------------------------
+
+    def release(self, req: Request) -> bool:
+        connection = lock_connection(req.alias)
+        if connection.vendor == "postgresql":
+            return fetch_one(connection, _PG_RELEASE, [req.key.name, req.token]) is not None
+        now = dbclock.now_sql(connection)
+        with cursor(connection) as cur:
+            cur.execute(
+                f"UPDATE {TABLE} SET token = '', expire_at = {now} WHERE name = %s AND token = %s",
+                [req.key.name, req.token],
+            )
+            return bool(cur.rowcount)
+
+    def extend(self, req: Request, ttl: float) -> bool:
+        connection = lock_connection(req.alias)
+        now_plus = dbclock.now_plus_sql(connection)
+        with cursor(connection) as cur:
+            cur.execute(
+                f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE name = %s AND token = %s",
+                [ttl, req.key.name, req.token],
+            )
+            return bool(cur.rowcount)
+
+    def locked(self, alias: str, key: Key) -> bool:
+        connection = lock_connection(alias)
+        now = dbclock.now_sql(connection)
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND expire_at > {now}"
+        return fetch_one(connection, sql, [key.name]) is not None
+
+    def owned(self, req: Request) -> bool:
+        connection = lock_connection(req.alias)
+        now = dbclock.now_sql(connection)
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}"
+        return fetch_one(connection, sql, [req.key.name, req.token]) is not None
+
+    def seconds_left(self, alias: str, key: Key) -> float:
+        """Seconds until the current lease of ``key`` ends (<= 0: free now)."""
+        connection = lock_connection(alias)
+        left = dbclock.seconds_until_sql(connection, "expire_at")
+        row = fetch_one(connection, f"SELECT {left} FROM {TABLE} WHERE name = %s", [key.name])
+        return -1.0 if row is None or row[0] is None else float(row[0])
+
+
+lease = LeaseStrategy()

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from django_dlock import notify
+
+DB_ALIASES = ["default", "sqlite", "mysql"]
+DB_IDS = {"default": "postgresql", "sqlite": "sqlite", "mysql": "mariadb"}
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=3):
+            return True
+    except OSError:
+        return False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # The suite runs against real servers: a missing one is a failure, never a skip.
+    from django.conf import settings
+
+    missing = []
+    for alias in ("default", "mysql"):
+        db = settings.DATABASES[alias]
+        if not _reachable(db["HOST"], int(db["PORT"])):
+            missing.append(f"{alias} ({db['ENGINE']} at {db['HOST']}:{db['PORT']})")
+    if missing:
+        pytest.exit("database server(s) unreachable: " + ", ".join(missing), returncode=3)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_listeners(django_db_setup):
+    # Torn down before the test databases are dropped: the LISTEN
+    # connections must be closed by then.
+    yield
+    notify.stop_all()
+
+
+@pytest.fixture(params=DB_ALIASES, ids=[DB_IDS[a] for a in DB_ALIASES])
+def alias(request) -> str:
+    """Runs a test once per database: PostgreSQL, SQLite and MariaDB."""
+    return request.param
+
+
+@pytest.fixture
+def pg() -> str:
+    return "default"

@@ -1,0 +1,109 @@
+"""Settings for the test suite: three real databases in one run.
+
+* ``default``: PostgreSQL on 127.0.0.1:5432 (user ``postgres``)
+* ``sqlite``: a SQLite file (a file, so that processes can share it)
+* ``mysql``: MariaDB/MySQL on 127.0.0.1:3306 (user ``root``)
+
+Override with ``DLOCK_TEST_PG_HOST``/``_PORT``/``_USER``,
+``DLOCK_TEST_MYSQL_HOST``/``_PORT``/``_USER``/``_PASSWORD``. Set
+``DLOCK_TEST_DB_SUFFIX`` to run two suites side by side on one server.
+Child processes started by the tests set ``DLOCK_TEST_CHILD=1`` to use the
+test databases directly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+env = os.environ.get
+SUFFIX = env("DLOCK_TEST_DB_SUFFIX", "")
+CHILD = env("DLOCK_TEST_CHILD") == "1"
+
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_dlock",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "tests.urls"
+STATIC_URL = "/static/"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+_sqlite_test = str(Path(tempfile.gettempdir()) / f"django_dlock_test{SUFFIX}.sqlite3")
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": f"dlock{SUFFIX}",
+        "USER": env("DLOCK_TEST_PG_USER", "postgres"),
+        "HOST": env("DLOCK_TEST_PG_HOST", "127.0.0.1"),
+        "PORT": env("DLOCK_TEST_PG_PORT", "5432"),
+        "TEST": {"NAME": f"test_dlock{SUFFIX}"},
+    },
+    "sqlite": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(Path(tempfile.gettempdir()) / f"django_dlock{SUFFIX}.sqlite3"),
+        "OPTIONS": {"timeout": 30},
+        "TEST": {"NAME": _sqlite_test},
+    },
+    "mysql": {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": f"dlock{SUFFIX}",
+        "USER": env("DLOCK_TEST_MYSQL_USER", "root"),
+        "PASSWORD": env("DLOCK_TEST_MYSQL_PASSWORD", ""),
+        "HOST": env("DLOCK_TEST_MYSQL_HOST", "127.0.0.1"),
+        "PORT": env("DLOCK_TEST_MYSQL_PORT", "3306"),
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {
+            "NAME": f"test_dlock{SUFFIX}",
+            "CHARSET": "utf8mb4",
+            "COLLATION": "utf8mb4_unicode_ci",
+        },
+    },
+}
+
+if CHILD:
+    for _db in DATABASES.values():
+        _db["NAME"] = _db["TEST"]["NAME"]  # type: ignore[index]
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"null": {"class": "logging.NullHandler"}},
+    "loggers": {"django_dlock": {"handlers": ["null"], "level": "DEBUG"}},
+}
