@@ -30,7 +30,7 @@ _NOW = {
 # "now + %s seconds": one float parameter.
 _NOW_PLUS = {
     "postgresql": "(statement_timestamp() + %s * interval '1 second')",
-    "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || %s || ' seconds')",
+    "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', %s || ' seconds')",
     "mysql": "(UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND)",
 }
 

@@ -50,12 +50,12 @@ class Renewer(threading.Thread):
         self.started_at = time.monotonic()
         self.hold_until = None if max_hold is None else self.started_at + max_hold
         self.renewals = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._error: BaseException | None = None
 
     def stop(self) -> None:
         """Stop renewing and wait for the thread; re-raise what it caught."""
-        self._stop.set()
+        self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join()
         if self._error is not None:
@@ -74,7 +74,7 @@ class Renewer(threading.Thread):
     def _loop(self) -> None:
         lease_end = time.monotonic() + self.ttl  # our estimate, for retries only
         wait = self.interval
-        while not self._stop.wait(wait):
+        while not self._halt.wait(wait):
             now = time.monotonic()
             ttl = self.ttl
             if self.hold_until is not None:

@@ -35,7 +35,9 @@ def start(func: Callable[..., Any], *args: Any) -> multiprocessing.process.BaseP
     return proc
 
 
-def run_all(func: Callable[..., Any], arg_lists: list[tuple[Any, ...]], timeout: float = 300) -> None:
+def run_all(
+    func: Callable[..., Any], arg_lists: list[tuple[Any, ...]], timeout: float = 300
+) -> None:
     """Run ``func(*args)`` in one process per entry; fail if any fails."""
     procs = [start(func, *args) for args in arg_lists]
     for proc in procs:

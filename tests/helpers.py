@@ -1,0 +1,59 @@
+"""Small helpers shared by the tests (no mocking of the database)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+
+from django_dlock import dbclock
+
+
+def in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``func`` in a new thread (a different lock holder) and return its result."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = func(*args, **kwargs)
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "thread did not finish"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def expire_now(alias: str, name: str) -> None:
+    """End a lease at once, on the database clock (as if its TTL ran out)."""
+    connection = connections[alias]
+    now = dbclock.now_plus_sql(connection)
+    with connection.cursor() as cur:
+        cur.execute(f"UPDATE django_dlock_lock SET expire_at = {now} WHERE name = %s", [-1.0, name])
+        assert cur.rowcount == 1
+
+
+def row(alias: str, name: str) -> tuple[str, int] | None:
+    """(token, fence) of the row ``name``, or None."""
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT token, fence FROM django_dlock_lock WHERE name = %s", [name])
+        found = cur.fetchone()
+    return None if found is None else (found[0], int(found[1]))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Wait (bounded) for ``predicate``: a wait, not an assertion on speed."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached within the bound")
+        time.sleep(0.02)

@@ -1,0 +1,316 @@
+"""The lease strategy, the same suite on PostgreSQL, SQLite and MariaDB."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+
+import pytest
+from django.db import connections, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+import django_dlock as dlock
+from django_dlock import signals
+from django_dlock.cleanup import delete_free
+from django_dlock.models import Lock as LockRow
+
+from .helpers import expire_now, in_thread, row, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+def try_once(key, alias, **options):
+    """In another thread: try once, release if acquired; return whether acquired."""
+
+    def attempt():
+        lk = dlock.lock(key, using=alias, **options)
+        if lk.acquire(timeout=0):
+            lk.release()
+            return True
+        return False
+
+    return in_thread(attempt)
+
+
+def test_acquire_release_and_state(alias):
+    lk = dlock.lock("job", using=alias, ttl=30)
+    assert not lk.locked()
+    assert lk.acquire(timeout=0) is True
+    assert lk.locked() and lk.owned() and lk.held()
+    assert lk.name == "lock:job"
+    token, fence = row(alias, "lock:job")
+    assert token == lk.token and fence == lk.fence
+    assert LockRow.objects.using(alias).held().filter(name="lock:job").exists()
+    assert try_once("job", alias) is False
+    lk.release()
+    assert not lk.locked() and not lk.owned() and lk.fence is None
+    assert LockRow.objects.using(alias).expired().filter(name="lock:job").exists()
+    assert try_once("job", alias) is True
+
+
+def test_context_manager_raises_lock_timeout(alias):
+    with dlock.lock("busy", using=alias):
+        with pytest.raises(dlock.LockTimeout) as info:
+            in_thread(lambda: dlock.lock("busy", using=alias, timeout=0).__enter__())
+        assert isinstance(info.value, TimeoutError)
+
+
+def test_blocking_acquire_waits_for_release(alias):
+    holder = dlock.lock("handoff", using=alias)
+    holder.acquire()
+    got = threading.Event()
+
+    def waiter():
+        with dlock.lock("handoff", using=alias, timeout=30, retry_interval=0.01):
+            got.set()
+
+    thread = threading.Thread(target=lambda: (waiter(), connections.close_all()))
+    thread.start()
+    assert not got.wait(0.3)  # still held
+    holder.release()
+    thread.join(30)
+    assert got.is_set()
+
+
+def test_timeout_gives_up_and_leaves_nothing(alias):
+    with dlock.lock("held", using=alias):
+        assert in_thread(lambda: dlock.lock("held", using=alias).acquire(timeout=0.2)) is False
+
+
+def test_expired_lease_is_taken_over_with_a_higher_fence(alias):
+    first = dlock.lock("lease", using=alias, ttl=30)
+    first.acquire()
+    old_fence = first.fence
+    expire_now(alias, "lock:lease")
+    taken = {}
+
+    def takeover():
+        lk = dlock.lock("lease", using=alias, ttl=30)
+        assert lk.acquire(timeout=0)
+        taken["fence"], taken["token"] = lk.fence, lk.token
+        # leave it held by this thread's token
+
+    in_thread(takeover)
+    assert taken["fence"] > old_fence
+    # The old holder's release and extend change nothing and say so.
+    with pytest.raises(dlock.LockLost):
+        first.extend()
+    with pytest.raises(dlock.LockNotOwned):
+        first.release()
+    assert row(alias, "lock:lease") == (taken["token"], taken["fence"])
+
+
+def test_release_and_extend_by_a_non_owner(alias):
+    lk = dlock.lock("mine", using=alias)
+    lk.acquire()
+    before = row(alias, "lock:mine")
+    with pytest.raises(dlock.LockNotOwned):
+        in_thread(lk.release)
+    with pytest.raises(dlock.LockNotOwned):
+        in_thread(lk.extend)
+    assert row(alias, "lock:mine") == before
+    lk.release()
+    with pytest.raises(dlock.LockNotOwned):
+        lk.release()
+
+
+def test_extend_moves_expiry_on_the_database_clock(alias):
+    lk = dlock.lock("ext", using=alias, ttl=2)
+    lk.acquire()
+    before = LockRow.objects.using(alias).get(name="lock:ext").expire_at
+    lk.extend(3600)
+    after = LockRow.objects.using(alias).get(name="lock:ext").expire_at
+    assert after - before > dt.timedelta(minutes=50)
+    lk.release()
+
+
+def test_app_clock_off_by_an_hour_changes_nothing(alias, monkeypatch):
+    for offset in (dt.timedelta(hours=1), dt.timedelta(hours=-1)):
+        real_now, real_time = timezone.now, time.time
+        monkeypatch.setattr(timezone, "now", lambda real_now=real_now, o=offset: real_now() + o)
+        monkeypatch.setattr(
+            time, "time", lambda real_time=real_time, o=offset: real_time() + o.total_seconds()
+        )
+        lk = dlock.lock("skew", using=alias, ttl=60)
+        lk.acquire()
+        assert try_once("skew", alias) is False  # not judged expired
+        expire_now(alias, "lock:skew")
+        assert try_once("skew", alias) is True  # judged expired
+        with pytest.raises(dlock.LockLost):
+            lk.release()
+        monkeypatch.undo()
+
+
+def test_fencing_strictly_increases_across_release_takeover_and_cleanup(alias):
+    fences = []
+    lk = dlock.lock("fenced", using=alias, ttl=30)
+    for i in range(1000):
+        with lk:
+            fences.append(lk.fence)
+        if i % 250 == 125:
+            assert delete_free(alias) >= 1  # the row and its history are gone
+            assert not LockRow.objects.using(alias).filter(name="lock:fenced").exists()
+        if i % 250 == 200:
+            other = {}
+
+            def take():
+                with dlock.lock("fenced", using=alias) as o:
+                    other["fence"] = o.fence
+
+            in_thread(take)
+            fences.append(other["fence"])
+    assert all(a < b for a, b in zip(fences, fences[1:])), "fences must strictly increase"
+    assert len(fences) == 1004
+
+
+def test_reentrancy_counts_per_thread(alias):
+    outer = dlock.lock("re", using=alias)
+    with outer:
+        fence = outer.fence
+        with dlock.lock("re", using=alias) as inner:  # another Lock object, same holder
+            assert inner.fence == fence
+            with inner:
+                pass
+        assert outer.owned()
+        assert try_once("re", alias) is False  # still held after inner exits
+    assert try_once("re", alias) is True
+
+
+def test_reentrant_false_raises(alias):
+    with dlock.lock("strict", using=alias):
+        with pytest.raises(dlock.LockReentrantError):
+            dlock.lock("strict", using=alias, reentrant=False).acquire()
+        assert dlock.lock("strict", using=alias).owned()
+
+
+def test_renewal_keeps_the_lease(alias):
+    lk = dlock.lock("renewed", using=alias, ttl=0.6, renew=True)
+    with lk:
+        holding = lk._holdings()[0]
+        wait_until(lambda: holding.renewer.renewals >= 4)  # > 2 ttl
+        assert try_once("renewed", alias) is False
+        assert not lk.lost
+    assert try_once("renewed", alias) is True
+
+
+def test_max_hold_stops_renewal(alias):
+    lk = dlock.lock("bounded", using=alias, ttl=0.5, renew=True, max_hold=1.0)
+    lk.acquire()
+    # Someone waiting gets it once max_hold has run out, without a release.
+    assert in_thread(lambda: dlock.lock("bounded", using=alias).acquire(timeout=30)) is True
+    with pytest.raises(dlock.LockLost):
+        lk.release()
+
+
+def test_lost_lock_on_takeover_while_renewing(alias):
+    lost_events, signalled = [], []
+
+    def receiver(sender, name, strategy, reason, **kwargs):
+        signalled.append((name, strategy))
+
+    signals.lock_lost.connect(receiver)
+    try:
+        lk = dlock.lock("victim", using=alias, ttl=1.5, renew=True, on_lost=lost_events.append)
+        with pytest.raises(dlock.LockLost), lk:
+            expire_now(alias, "lock:victim")
+            assert try_once("victim", alias) is True  # someone else took it
+            wait_until(lambda: lk.lost)
+            assert not lk.held() and not lk.owned()  # never reported as held
+        assert len(lost_events) == 1 and isinstance(lost_events[0], dlock.LockLost)
+        assert signalled == [("lock:victim", "lease")]
+    finally:
+        signals.lock_lost.disconnect(receiver)
+
+
+def test_body_exception_is_not_hidden_by_a_lost_lock(alias):
+    with pytest.raises(KeyError), dlock.lock("masked", using=alias):
+        expire_now(alias, "lock:masked")
+        try_once("masked", alias)
+        raise KeyError("body")
+
+
+def test_many_keys_all_or_none(alias):
+    with dlock.lock("b", using=alias):
+        both = dlock.lock(["a", "b"], using=alias)
+        assert in_thread(lambda: both.acquire(timeout=0)) is False
+        assert not dlock.lock("a", using=alias).locked()  # "a" was given back
+    with dlock.lock(["b", "a", "a"], using=alias) as lk:
+        assert list(lk.fences) == ["lock:a", "lock:b"]
+        assert dlock.lock("a", using=alias).locked() and dlock.lock("b", using=alias).locked()
+        with pytest.raises(dlock.DLockError, match="fences"):
+            lk.fence
+
+
+def test_many_keys_in_opposite_orders_do_not_deadlock(alias):
+    def loop(keys):
+        for _ in range(30):
+            with dlock.lock(keys, using=alias, timeout=60, retry_interval=0.005):
+                pass
+
+    threads = [
+        threading.Thread(target=lambda k=k: (loop(k), connections.close_all()))
+        for k in (["x", "y"], ["y", "x"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_inside_atomic_the_lock_commits_on_its_own(alias):
+    with transaction.atomic(using=alias):
+        lk = dlock.lock("in-atomic", using=alias)
+        lk.acquire()
+        # visible to others before the caller's transaction ends
+        assert try_once("in-atomic", alias) is False
+        lk.release()
+        assert try_once("in-atomic", alias) is True
+    with pytest.raises(ZeroDivisionError), transaction.atomic(using=alias):
+        dlock.lock("rolled", using=alias).acquire()
+        1 / 0
+    assert dlock.lock("rolled", using=alias).locked()  # not undone by the rollback
+    from django_dlock.strategies.base import close_private_connections
+
+    close_private_connections()
+
+
+def test_sql_metacharacters_and_unicode_names_are_exact(alias):
+    names = ["x'; DROP TABLE django_dlock_lock; --", "ünïcødé ✓", "Case", "case", "pad", "pad "]
+    held = [dlock.lock(n, using=alias) for n in names]
+    for lk in held:
+        assert lk.acquire(timeout=0)
+    stored = set(LockRow.objects.using(alias).values_list("name", flat=True))
+    assert stored == {f"lock:{n}" for n in names}
+    for lk in held:
+        lk.release()
+
+
+def test_bad_arguments_fail_before_any_sql(alias):
+    conn = connections[alias]
+    with CaptureQueriesContext(conn) as queries:
+        for kwargs in (
+            {"ttl": 0},
+            {"ttl": -1},
+            {"ttl": float("nan")},
+            {"ttl": float("inf")},
+            {"timeout": -1},
+            {"timeout": float("nan")},
+            {"max_hold": 0},
+            {"on_fail": "ignore"},
+            {"retry_interval": -1},
+            {"using": "nope"},
+        ):
+            with pytest.raises(ValueError):
+                dlock.lock("k", using=kwargs.pop("using", alias), **kwargs)
+        with pytest.raises(dlock.StrategyNotSupported):
+            dlock.lock("k", using=alias, strategy="zookeeper")
+        with pytest.raises(dlock.InvalidLockKey):
+            dlock.lock("", using=alias)
+        with pytest.raises(ValueError):
+            dlock.lock("k", using=alias).acquire(timeout=-5)
+        with pytest.raises(dlock.InvalidLockKey):
+            dlock.lock(using=alias).acquire()
+    assert len(queries) == 0
