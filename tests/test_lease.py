@@ -153,15 +153,15 @@ def test_fencing_strictly_increases_across_release_takeover_and_cleanup(alias):
             assert delete_free(alias) >= 1  # the row and its history are gone
             assert not LockRow.objects.using(alias).filter(name="lock:fenced").exists()
         if i % 250 == 200:
-            other = {}
 
             def take():
-                with dlock.lock("fenced", using=alias) as o:
-                    other["fence"] = o.fence
+                with dlock.lock("fenced", using=alias) as other:
+                    return other.fence
 
-            in_thread(take)
-            fences.append(other["fence"])
-    assert all(a < b for a, b in zip(fences, fences[1:])), "fences must strictly increase"
+            fences.append(in_thread(take))
+    assert all(a < b for a, b in zip(fences, fences[1:], strict=False)), (
+        "fences must strictly increase"
+    )
     assert len(fences) == 1004
 
 
@@ -240,7 +240,7 @@ def test_many_keys_all_or_none(alias):
         assert list(lk.fences) == ["lock:a", "lock:b"]
         assert dlock.lock("a", using=alias).locked() and dlock.lock("b", using=alias).locked()
         with pytest.raises(dlock.DLockError, match="fences"):
-            lk.fence
+            _ = lk.fence
 
 
 def test_many_keys_in_opposite_orders_do_not_deadlock(alias):
@@ -270,7 +270,7 @@ def test_inside_atomic_the_lock_commits_on_its_own(alias):
         assert try_once("in-atomic", alias) is True
     with pytest.raises(ZeroDivisionError), transaction.atomic(using=alias):
         dlock.lock("rolled", using=alias).acquire()
-        1 / 0
+        _ = 1 / 0
     assert dlock.lock("rolled", using=alias).locked()  # not undone by the rollback
     from django_dlock.strategies.base import close_private_connections
 
