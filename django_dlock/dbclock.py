@@ -9,6 +9,10 @@ expressions, so all writers and readers of a lease agree on one clock.
   transaction).
 * SQLite: ``strftime('%Y-%m-%d %H:%M:%f', 'now')``: UTC, milliseconds, in the
   text format Django stores datetimes in.
+
+The fragments are written for statements executed *with parameters* through
+Django's cursor, so a literal ``%`` is doubled (``%%``): Django turns it back
+into ``%`` for the driver, and its debug SQL logging formats it safely.
 * MySQL/MariaDB: ``UTC_TIMESTAMP(6)``: UTC whatever the session time zone,
   as Django stores datetimes with ``USE_TZ = True``.
 """
@@ -23,14 +27,14 @@ from django.db.models.sql.compiler import SQLCompiler
 
 _NOW = {
     "postgresql": "statement_timestamp()",
-    "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+    "sqlite": "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
     "mysql": "UTC_TIMESTAMP(6)",
 }
 
 # "now + %s seconds": one float parameter.
 _NOW_PLUS = {
     "postgresql": "(statement_timestamp() + %s * interval '1 second')",
-    "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', %s || ' seconds')",
+    "sqlite": "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s || ' seconds')",
     "mysql": "(UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND)",
 }
 
@@ -79,4 +83,4 @@ class DbNow(Func):
         connection: BaseDatabaseWrapper,
         **extra_context: Any,
     ) -> tuple[str, list[Any]]:
-        return now_sql(connection).replace("%", "%%"), []
+        return now_sql(connection), []

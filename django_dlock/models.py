@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from django.db import models
 
 from django_dlock.dbclock import DbNow
-
-if TYPE_CHECKING:
-    from django.db.models.manager import Manager
 
 
 class LockQuerySet(models.QuerySet["Lock"]):
@@ -43,7 +38,7 @@ class Lock(models.Model):
     acquired_at = models.DateTimeField(null=True, blank=True)
     expire_at = models.DateTimeField(db_index=True)
 
-    objects: Manager[Lock] = LockQuerySet.as_manager()  # type: ignore[assignment]
+    objects = LockQuerySet.as_manager()
 
     class Meta:
         db_table = "django_dlock_lock"

@@ -17,6 +17,16 @@ import os
 import tempfile
 from pathlib import Path
 
+try:  # a pure-Python MySQL driver, so the suite installs without C headers
+    import MySQLdb  # noqa: F401  (mysqlclient, if installed, is used as is)
+except ImportError:
+    import pymysql
+
+    # Django checks the mysqlclient version it was built for; PyMySQL speaks
+    # the same DB-API and reports an older mysqlclient version.
+    pymysql.version_info = (2, 2, 7, "final", 0)
+    pymysql.install_as_MySQLdb()
+
 env = os.environ.get
 SUFFIX = env("DLOCK_TEST_DB_SUFFIX", "")
 CHILD = env("DLOCK_TEST_CHILD") == "1"

@@ -314,3 +314,19 @@ def test_bad_arguments_fail_before_any_sql(alias):
         with pytest.raises(dlock.InvalidLockKey):
             dlock.lock(using=alias).acquire()
     assert len(queries) == 0
+
+
+def test_works_with_the_debug_cursor(alias):
+    # DEBUG = True makes Django log every statement with its parameters
+    # interpolated: literal % signs in our SQL must survive that.
+    connection = connections[alias]
+    connection.force_debug_cursor = True
+    try:
+        lk = dlock.lock("debug", using=alias)
+        with lk:
+            lk.extend(10)
+            assert lk.owned() and lk.locked()
+        assert delete_free(alias) == 1
+        assert any("django_dlock_lock" in q["sql"] for q in connection.queries)
+    finally:
+        connection.force_debug_cursor = False
