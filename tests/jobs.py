@@ -1,0 +1,134 @@
+"""Jobs run by the worker tests (real processes).
+
+Each job records what it did in a file named by an environment variable
+(one line per run, appended in one write), with timestamps read from the
+database clock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from django.db import connections
+
+
+def _db_now(alias: str = "default") -> float:
+    """The database clock as a Unix timestamp."""
+    connection = connections[alias]
+    sql = {
+        "postgresql": "SELECT EXTRACT(EPOCH FROM clock_timestamp())",
+        "sqlite": "SELECT (julianday('now') - 2440587.5) * 86400.0",
+        "mysql": "SELECT UNIX_TIMESTAMP(NOW(6))",
+    }[connection.vendor]
+    with connection.cursor() as cur:
+        cur.execute(sql)
+        return float(cur.fetchone()[0])
+
+
+def _append(path: str, record: dict) -> None:
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def record_term() -> None:
+    """Record (term, pid, start, end) of one run on the leader (DLOCK_TEST_RUNS)."""
+    from django_dlock.leader import current_leadership
+
+    leadership = current_leadership()
+    start = _db_now()
+    time.sleep(0.05)
+    end = _db_now()
+    _append(
+        os.environ["DLOCK_TEST_RUNS"],
+        {
+            "term": leadership.term if leadership else None,
+            "pid": os.getpid(),
+            "start": start,
+            "end": end,
+        },
+    )
+
+
+def fail_every_other() -> None:
+    """Raise on odd runs (counted in DLOCK_TEST_RUNS): the worker must survive."""
+    path = os.environ["DLOCK_TEST_RUNS"]
+    runs = 0
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = sum(1 for _ in f)
+    _append(path, {"run": runs, "pid": os.getpid()})
+    if runs % 2 == 0:
+        raise RuntimeError(f"job failure number {runs // 2 + 1}")
+
+
+def hello() -> None:
+    """The smallest job (prints nothing)."""
+
+
+NOT_CALLABLE = 42
+
+
+# -- TaskLock in real processes (run by tests.procs) ------------------------------
+
+
+def fire_task(
+    alias: str,
+    path: str,
+    start_at: float,
+    duration: float,
+    every: float,
+    min_hold: float,
+    max_hold: float,
+) -> None:
+    """Fire the same TaskLock job every ``every`` s from ``start_at`` for ``duration`` s.
+
+    Each run appends its fence, its lease's ``acquired_at`` and the database's
+    now (Unix timestamps on the database clock) to ``path``.
+    """
+    from django_dlock.dbclock import DbNow
+    from django_dlock.models import Lock as LockRow
+    from django_dlock.tasklock import TaskLock
+
+    task = TaskLock("fired", min_hold=min_hold, max_hold=max_hold, using=alias)
+
+    def body() -> None:
+        fence = task.fence
+        acquired_at, now = (
+            LockRow.objects.using(alias)
+            .filter(name="task:fired", fence=fence)
+            .annotate(db_now=DbNow())
+            .values_list("acquired_at", "db_now")
+            .get()
+        )
+        _append(
+            path,
+            {
+                "pid": os.getpid(),
+                "fence": fence,
+                "acquired_at": acquired_at.timestamp(),
+                "now": now.timestamp(),
+            },
+        )
+
+    while time.time() < start_at:
+        time.sleep(0.01)
+    end = start_at + duration
+    while time.time() < end:
+        task.run(body)
+        time.sleep(every)
+
+
+def hold_task_forever(alias: str, marker: str, max_hold: float) -> None:
+    """Take a TaskLock and hang inside it (the test SIGKILLs this process)."""
+    from django_dlock.tasklock import TaskLock
+
+    with TaskLock("crashing", max_hold=max_hold, using=alias) as acquired:
+        with open(marker, "w") as f:
+            f.write("acquired" if acquired else "skipped")
+        time.sleep(3600)
