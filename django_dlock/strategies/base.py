@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
@@ -72,6 +72,8 @@ class Strategy(Protocol):
         """Whether the caller holds ``key`` now, according to the database."""
 
 
+T = TypeVar("T")
+
 _private = threading.local()
 
 
@@ -122,6 +124,25 @@ def _usable(connection: BaseDatabaseWrapper) -> bool:
         return connection.connection is not None and bool(connection.is_usable())
     except Exception:
         return False
+
+
+def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[T, bool]:
+    """Run ``op(connection)``; if the connection had dropped, once more on a new one.
+
+    A holder's connection can be closed under it (``pg_terminate_backend``,
+    a database restart, a network cut). :func:`cursor` closes such a broken
+    connection, so a second try reconnects. Errors on a working connection
+    (lock timeouts, constraint errors) and errors inside the caller's
+    transaction are not retried. Returns ``(result, retried)``: a retried
+    statement may have run twice, which callers must tolerate.
+    """
+    connection = lock_connection(alias)
+    try:
+        return op(connection), False
+    except (OperationalError, InterfaceError):
+        if connection.in_atomic_block or connection.connection is not None:
+            raise
+    return op(lock_connection(alias)), True
 
 
 def fetch_one(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Any:

@@ -35,7 +35,14 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
-from django_dlock.strategies.base import Grant, Request, cursor, fetch_one, lock_connection
+from django_dlock.strategies.base import (
+    Grant,
+    Request,
+    cursor,
+    fetch_one,
+    lock_connection,
+    with_reconnect,
+)
 
 #: longest a PostgreSQL waiter parks between checks when it relies on NOTIFY
 MAX_PARK = 2.0
@@ -85,8 +92,10 @@ _MYSQL_SELECT = (
     f"SELECT token, expire_at <= UTC_TIMESTAMP(6), fence FROM {TABLE} WHERE name = %s FOR UPDATE"
 )
 _MYSQL_TAKE = (
-    f"UPDATE {TABLE} SET token = %s, owner = %s, fence = %s, "
-    "acquired_at = IF(token = %s, acquired_at, UTC_TIMESTAMP(6)), "
+    # acquired_at first: MySQL/MariaDB evaluate SET assignments left to right,
+    # so IF(token = ...) must see the old token.
+    f"UPDATE {TABLE} SET acquired_at = IF(token = %s, acquired_at, UTC_TIMESTAMP(6)), "
+    "token = %s, owner = %s, fence = %s, "
     "expire_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND "
     "WHERE name = %s"
 )
@@ -224,7 +233,12 @@ class LeaseStrategy:
             attempt += 1
 
     def try_acquire(self, req: Request) -> int | None:
-        connection = lock_connection(req.alias)
+        # Retrying after a dropped connection is safe: the same token
+        # re-acquires its own lease with the same fencing number.
+        fence, _ = with_reconnect(req.alias, lambda connection: self._acquire_on(connection, req))
+        return fence
+
+    def _acquire_on(self, connection: BaseDatabaseWrapper, req: Request) -> int | None:
         vendor = dbclock.vendor(connection)
         if vendor == "mysql":
             return self._mysql_acquire(connection, req)
@@ -268,14 +282,26 @@ class LeaseStrategy:
         else:
             return None
         cur.execute(
-            _MYSQL_TAKE, [req.token, req.owner, new_fence, req.token, req.ttl, req.key.name]
+            _MYSQL_TAKE, [req.token, req.token, req.owner, new_fence, req.ttl, req.key.name]
         )
         return new_fence
 
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
-        connection = lock_connection(req.alias)
+        released, retried = with_reconnect(
+            req.alias, lambda connection: self._release_on(connection, req)
+        )
+        if not released and retried:
+            # The first try may have released before its connection dropped:
+            # a free row (empty token) means nobody else holds it.
+            found = self._read(
+                req.alias, f"SELECT token FROM {TABLE} WHERE name = %s", [req.key.name]
+            )
+            return found is None or found[0] == ""
+        return released
+
+    def _release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
         if connection.vendor == "postgresql":
             return fetch_one(connection, _PG_RELEASE, [req.key.name, req.token]) is not None
         now = dbclock.now_sql(connection)
@@ -287,7 +313,12 @@ class LeaseStrategy:
             return bool(cur.rowcount)
 
     def extend(self, req: Request, ttl: float) -> bool:
-        connection = lock_connection(req.alias)
+        extended, _ = with_reconnect(
+            req.alias, lambda connection: self._extend_on(connection, req, ttl)
+        )
+        return extended
+
+    def _extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
         now_plus = dbclock.now_plus_sql(connection)
         with cursor(connection) as cur:
             cur.execute(
@@ -296,24 +327,58 @@ class LeaseStrategy:
             )
             return bool(cur.rowcount)
 
-    def locked(self, alias: str, key: Key) -> bool:
-        connection = lock_connection(alias)
+    def release_after(self, req: Request, min_hold: float) -> bool:
+        """Release, but keep the lease until ``acquired_at + min_hold`` (database time).
+
+        One statement: the token is cleared (nobody, not even the caller,
+        can re-enter) and ``expire_at`` becomes the later of now and
+        ``acquired_at + min_hold``. Used by :class:`~django_dlock.TaskLock`.
+        ``False`` if the caller no longer holds the lease.
+        """
+        connection = lock_connection(req.alias)
+        vendor = dbclock.vendor(connection)
         now = dbclock.now_sql(connection)
-        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND expire_at > {now}"
-        return fetch_one(connection, sql, [key.name]) is not None
+        later = {
+            "postgresql": "GREATEST({now}, "
+            "COALESCE(acquired_at + %s * interval '1 second', {now}))",
+            "sqlite": "MAX({now}, COALESCE(strftime('%%Y-%%m-%%d %%H:%%M:%%f', acquired_at, "
+            "%s || ' seconds'), {now}))",
+            "mysql": "GREATEST({now}, COALESCE(acquired_at + INTERVAL ROUND(%s * 1000000) "
+            "MICROSECOND, {now}))",
+        }[vendor].format(now=now)
+        with cursor(connection) as cur:
+            cur.execute(
+                f"UPDATE {TABLE} SET expire_at = {later}, token = '' "
+                "WHERE name = %s AND token = %s",
+                [float(min_hold), req.key.name, req.token],
+            )
+            return bool(cur.rowcount)
+
+    def _read(self, alias: str, sql: str, params: list[Any]) -> Any:
+        """One row of a read-only query with ``{now}`` / ``{left}`` filled per database."""
+
+        def run(connection: BaseDatabaseWrapper) -> Any:
+            query = sql.format(
+                now=dbclock.now_sql(connection),
+                left=dbclock.seconds_until_sql(connection, "expire_at"),
+            )
+            return fetch_one(connection, query, params)
+
+        found, _ = with_reconnect(alias, run)
+        return found
+
+    def locked(self, alias: str, key: Key) -> bool:
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND expire_at > {{now}}"
+        return self._read(alias, sql, [key.name]) is not None
 
     def owned(self, req: Request) -> bool:
-        connection = lock_connection(req.alias)
-        now = dbclock.now_sql(connection)
-        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}"
-        return fetch_one(connection, sql, [req.key.name, req.token]) is not None
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {{now}}"
+        return self._read(req.alias, sql, [req.key.name, req.token]) is not None
 
     def seconds_left(self, alias: str, key: Key) -> float:
         """Seconds until the current lease of ``key`` ends (<= 0: free now)."""
-        connection = lock_connection(alias)
-        left = dbclock.seconds_until_sql(connection, "expire_at")
-        row = fetch_one(connection, f"SELECT {left} FROM {TABLE} WHERE name = %s", [key.name])
-        return -1.0 if row is None or row[0] is None else float(row[0])
+        found = self._read(alias, f"SELECT {{left}} FROM {TABLE} WHERE name = %s", [key.name])
+        return -1.0 if found is None or found[0] is None else float(found[0])
 
 
 lease = LeaseStrategy()
