@@ -1,0 +1,208 @@
+"""Jobs for ``manage.py runworker``: loading, the leader's job loop, built-in jobs.
+
+A job is a callable that takes no arguments, named by its dotted path. The
+worker runs each job every ``interval`` seconds, on the leader only: first
+right after it becomes leader, then ``interval`` seconds after each start
+(a job that overruns its interval runs again at once; jobs never overlap,
+they run one after another in the leader's thread).
+
+``DLOCK_WORKER_JOBS`` lists the jobs of ``runworker`` when no ``--job`` is
+given; each entry is a dotted path (run every ``--interval`` seconds) or a
+dict ``{"job": "dotted.path", "interval": seconds}``::
+
+    DLOCK_WORKER_JOBS = [
+        "myapp.jobs.send_reminders",
+        {"job": "django_dlock.jobs.cleanup", "interval": 3600},
+    ]
+
+A job can read its leadership term (to fence its writes) with
+:func:`django_dlock.leader.current_leadership`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from django.utils.module_loading import import_string
+
+from django_dlock.leader import Leadership
+
+__all__ = ["Job", "JobError", "cleanup", "load_jobs", "run_jobs", "setting_problems"]
+
+logger = logging.getLogger("django_dlock")
+
+#: default seconds between two runs of a job
+DEFAULT_INTERVAL = 60.0
+
+
+class JobError(ValueError):
+    """A job is badly specified or cannot be imported.
+
+    ``check_id`` is the system check that reports the same problem in
+    ``DLOCK_WORKER_JOBS``.
+    """
+
+    def __init__(self, message: str, check_id: str = "dlock.E031") -> None:
+        super().__init__(message)
+        self.check_id = check_id
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job of the worker: its dotted path, the callable and its interval."""
+
+    path: str
+    func: Callable[[], Any]
+    interval: float
+
+
+def _interval_problem(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"the interval must be a number of seconds, not {type(value).__name__}"
+    if not math.isfinite(value) or value <= 0:
+        return f"the interval must be a finite number of seconds > 0, got {value!r}"
+    return None
+
+
+def _entry(item: object, default_interval: float) -> tuple[str, float]:
+    """``(path, interval)`` of one ``DLOCK_WORKER_JOBS`` entry (no import)."""
+    if isinstance(item, str):
+        path, interval = item, default_interval
+    elif isinstance(item, dict):
+        unknown = set(item) - {"job", "interval"}
+        if "job" not in item or unknown:
+            raise JobError(
+                'a job entry must be a dotted path or {"job": "dotted.path", "interval": '
+                f"seconds}}, got {item!r}"
+            )
+        path, interval = item["job"], item.get("interval", default_interval)
+        if not isinstance(path, str):
+            raise JobError(f'"job" must be a dotted path string, got {path!r}')
+    else:
+        raise JobError(
+            'a job entry must be a dotted path or {"job": "dotted.path", "interval": seconds}, '
+            f"not {type(item).__name__}"
+        )
+    if "." not in path.strip(".") or path != path.strip():
+        raise JobError(f"{path!r} is not a dotted path (module.function)")
+    problem = _interval_problem(interval)
+    if problem is not None:
+        raise JobError(f"job {path!r}: {problem}", "dlock.E032")
+    return path, float(interval)
+
+
+def import_job(path: str) -> Callable[[], Any]:
+    """Import the job at ``path``.
+
+    Raises:
+        JobError: it cannot be imported, or is not callable.
+    """
+    try:
+        func = import_string(path)
+    except ImportError as exc:
+        raise JobError(f"cannot import job {path!r}: {exc}", "dlock.E033") from None
+    except Exception as exc:  # the module itself failed while importing
+        raise JobError(
+            f"importing job {path!r} failed: {type(exc).__name__}: {exc}", "dlock.E033"
+        ) from None
+    if not callable(func):
+        raise JobError(
+            f"job {path!r} is not callable (it is a {type(func).__name__})", "dlock.E033"
+        )
+    result: Callable[[], Any] = func
+    return result
+
+
+def load_jobs(
+    paths: Iterable[str], interval: float = DEFAULT_INTERVAL, setting: object = ()
+) -> list[Job]:
+    """The jobs of a worker: ``paths`` (every ``interval`` s), else the ``setting``.
+
+    Raises:
+        JobError: an entry is malformed, a job cannot be imported, or the
+            interval is not a positive number.
+    """
+    problem = _interval_problem(interval)
+    if problem is not None:
+        raise JobError(f"--interval: {problem}", "dlock.E032")
+    paths = list(paths)
+    if paths:
+        entries = [_entry(path, float(interval)) for path in paths]
+    else:
+        if not isinstance(setting, (list, tuple)):
+            raise JobError(
+                f"DLOCK_WORKER_JOBS must be a list, not {type(setting).__name__}", "dlock.E030"
+            )
+        entries = [_entry(item, float(interval)) for item in setting]
+    return [Job(path, import_job(path), every) for path, every in entries]
+
+
+def setting_problems(value: object) -> list[tuple[str, str]]:
+    """What is wrong with a ``DLOCK_WORKER_JOBS`` value: ``(check id, message)`` pairs."""
+    if not isinstance(value, (list, tuple)):
+        return [("dlock.E030", f"must be a list, not {type(value).__name__}")]
+    found: list[tuple[str, str]] = []
+    for index, item in enumerate(value):
+        try:
+            path, _ = _entry(item, DEFAULT_INTERVAL)
+            import_job(path)
+        except JobError as exc:
+            found.append((exc.check_id, f"entry {index}: {exc}"))
+    return found
+
+
+def run_jobs(
+    leadership: Leadership,
+    jobs: list[Job],
+    report: Callable[[Job, float, BaseException | None], None] | None = None,
+) -> None:
+    """Run ``jobs`` on their intervals until ``leadership`` ends.
+
+    A job that raises is logged with its traceback (and passed to
+    ``report``); the loop goes on. ``report(job, seconds, error)`` is called
+    after every run.
+    """
+    if not jobs:
+        raise JobError("no jobs to run")
+    due = [time.monotonic()] * len(jobs)
+    while not leadership.ended:
+        index = min(range(len(jobs)), key=due.__getitem__)
+        wait = due[index] - time.monotonic()
+        if wait > 0:
+            leadership.wait(wait)
+            continue
+        job = jobs[index]
+        started = time.monotonic()
+        error: BaseException | None = None
+        try:
+            job.func()
+        except Exception as exc:
+            error = exc
+            logger.exception("django-dlock: job %s raised", job.path)
+        due[index] = started + job.interval
+        if report is not None:
+            report(job, time.monotonic() - started, error)
+
+
+def cleanup() -> int:
+    """Built-in job: delete free lease rows, in batches (``dlock_cleanup``).
+
+    Runs :func:`django_dlock.cleanup.delete_free` on the database of the
+    :class:`~django_dlock.models.Lock` model. Add
+    ``"django_dlock.jobs.cleanup"`` to ``DLOCK_WORKER_JOBS`` (or run
+    ``runworker --job django_dlock.jobs.cleanup``). Returns the rows deleted.
+    """
+    from django.db import router
+
+    from django_dlock.cleanup import delete_free
+    from django_dlock.models import Lock as LockRow
+
+    alias = router.db_for_write(LockRow) or "default"
+    deleted = delete_free(alias)
+    logger.info("django-dlock: cleanup deleted %d free lease row(s) on %r", deleted, alias)
+    return deleted
