@@ -1,0 +1,497 @@
+"""``LockMiddleware``: serialise requests by rules, without touching the views.
+
+::
+
+    MIDDLEWARE = [
+        ...,
+        "django.contrib.sessions.middleware.SessionMiddleware",
+        "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "django_dlock.middleware.LockMiddleware",
+    ]
+    DLOCK_MIDDLEWARE_RULES = [
+        # one checkout at a time per user (double-submitted forms)
+        {"path": r"^/checkout/", "methods": ["POST"], "key": "checkout:{user}"},
+        # one import per project, waiting up to 10 s for the previous one
+        {"path": r"^/projects/(?P<pk>\\d+)/import/$", "key": "import:{pk}",
+         "on_contention": "wait", "timeout": 10},
+    ]
+
+The first rule whose ``path`` regex matches ``request.path_info``
+(``re.search``: anchor it with ``^``) and whose ``methods`` contain the
+request's method applies. Its ``key`` template may use:
+
+* ``{user}``: the user's primary key; for an anonymous user
+  ``anon:<session key>`` (a session is created if there is none yet);
+* ``{session}``: the session key (created if needed);
+* ``{ip}``: ``REMOTE_ADDR`` (set it correctly behind a proxy);
+* ``{path}``: ``request.path_info``; ``{method}``: the HTTP method;
+* any other name: the URL kwarg of that name (from resolving the path).
+
+The lock is held while the rest of the middleware chain and the view run,
+and released when the response comes back (streaming responses: when they
+are closed). Contention answers like :func:`~django_dlock.decorators.with_lock`:
+``423`` with ``Retry-After`` by default. The 423 body names the rule's
+``name`` if it has one, else the request path, never the rendered key (which
+may contain a session key).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.conf import settings
+from django.core import checks
+from django.core.checks import CheckMessage, Error
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.http import HttpRequest, HttpResponseBase
+from django.urls import Resolver404, resolve
+from django.utils.module_loading import import_string
+
+from django_dlock.conf import conf, strategy_error, timeout_error, ttl_error
+from django_dlock.decorators import (
+    Contention,
+    ContentionPolicy,
+    KeyTemplate,
+    KeyTemplateError,
+    _is_streaming,
+    contention_policy_error,
+    release_on_close,
+    retry_after_error,
+)
+from django_dlock.identity import current_holder
+from django_dlock.locks import Lock
+
+__all__ = ["LockMiddleware", "Rule", "check_rules", "compile_rules"]
+
+MIDDLEWARE_PATH = "django_dlock.middleware.LockMiddleware"
+SESSION_MIDDLEWARE = "django.contrib.sessions.middleware.SessionMiddleware"
+AUTH_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+
+BUILTIN_NAMES = frozenset({"user", "session", "ip", "path", "method"})
+RULE_KEYS = frozenset(
+    {
+        "path",
+        "methods",
+        "key",
+        "name",
+        "timeout",
+        "ttl",
+        "strategy",
+        "using",
+        "on_contention",
+        "retry_after",
+    }
+)
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"})
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One compiled entry of ``DLOCK_MIDDLEWARE_RULES``."""
+
+    index: int
+    pattern: re.Pattern[str]
+    methods: frozenset[str] | None
+    template: KeyTemplate
+    name: str | None
+    options: dict[str, Any]
+    on_contention: ContentionPolicy
+    retry_after: int | None
+
+    @property
+    def url_names(self) -> tuple[str, ...]:
+        return tuple(n for n in self.template.names if n not in BUILTIN_NAMES)
+
+    @property
+    def needs_session(self) -> bool:
+        return bool({"user", "session"} & set(self.template.names))
+
+    def matches(self, request: HttpRequest) -> bool:
+        if self.methods is not None and request.method not in self.methods:
+            return False
+        return self.pattern.search(request.path_info) is not None
+
+    def values(self, request: HttpRequest) -> dict[str, Any] | None:
+        """The template's values for ``request`` (``None``: the URL does not resolve).
+
+        Touches the session and the user, so call it where the ORM may run.
+        """
+        values: dict[str, Any] = {}
+        names = set(self.template.names)
+        if self.url_names:
+            try:
+                match = resolve(request.path_info, getattr(request, "urlconf", None))
+            except Resolver404:
+                return None  # the view answers 404; nothing to serialise
+            values.update(match.kwargs)
+        if "path" in names:
+            values["path"] = request.path_info
+        if "method" in names:
+            values["method"] = request.method
+        if "ip" in names:
+            ip = request.META.get("REMOTE_ADDR")
+            if ip:
+                values["ip"] = ip
+        if "session" in names:
+            values["session"] = _session_key(request, self)
+        if "user" in names:
+            user = getattr(request, "user", None)
+            if user is None:
+                raise ImproperlyConfigured(
+                    f"DLOCK_MIDDLEWARE_RULES[{self.index}] uses {{user}}: put "
+                    f"{AUTH_MIDDLEWARE} before {MIDDLEWARE_PATH} in MIDDLEWARE"
+                )
+            if user.is_authenticated:
+                values["user"] = user.pk
+            else:
+                values["user"] = "anon:" + _session_key(request, self)
+        return values
+
+    def lock(self, request: HttpRequest) -> Lock | None:
+        values = self.values(request)
+        if values is None:
+            return None
+        where = f"request {request.path_info!r} (DLOCK_MIDDLEWARE_RULES[{self.index}])"
+        return Lock(self.template.render(values, where=where), **self.options)
+
+    def contention(self, lk: Lock, request: HttpRequest) -> Contention:
+        return Contention(
+            request=request,
+            resource=self.name or request.path,
+            lock=lk,
+            retry_after=self.retry_after,
+        )
+
+    def default_status(self) -> int:
+        policy = self.on_contention
+        return policy if isinstance(policy, int) else 423
+
+
+def _session_key(request: HttpRequest, rule: Rule) -> str:
+    session = getattr(request, "session", None)
+    if session is None:
+        raise ImproperlyConfigured(
+            f"DLOCK_MIDDLEWARE_RULES[{rule.index}] needs a session: put {SESSION_MIDDLEWARE} "
+            f"before {MIDDLEWARE_PATH} in MIDDLEWARE"
+        )
+    if not session.session_key:
+        session.save()  # creates the session, so that the key is stable
+        session.modified = True  # and SessionMiddleware sends its cookie
+    key: str = session.session_key
+    return key
+
+
+# -- rules: validation and compilation -------------------------------------------
+
+
+def _rule_problems(index: int, raw: object) -> list[tuple[str, str]]:
+    """Problems of one rule as ``(check id, message)``."""
+    where = f"DLOCK_MIDDLEWARE_RULES[{index}]"
+    if not isinstance(raw, dict):
+        return [("dlock.E020", f"{where} must be a dict, not {type(raw).__name__}")]
+    problems: list[tuple[str, str]] = []
+    unknown = sorted(str(k) for k in set(raw) - RULE_KEYS)
+    missing = sorted({"path", "key"} - set(raw))
+    if unknown:
+        problems.append(
+            (
+                "dlock.E021",
+                f"{where} has unknown keys {unknown}; allowed: {', '.join(sorted(RULE_KEYS))}",
+            )
+        )
+    if missing:
+        problems.append(("dlock.E021", f"{where} lacks the required keys {missing}"))
+    if "path" in raw:
+        path = raw["path"]
+        if not isinstance(path, str):
+            problems.append(("dlock.E022", f"{where}['path'] must be a regex string"))
+        else:
+            try:
+                re.compile(path)
+            except re.error as exc:
+                problems.append(("dlock.E022", f"{where}['path'] is not a valid regex: {exc}"))
+    if "methods" in raw:
+        methods = raw["methods"]
+        if (
+            isinstance(methods, str)
+            or not isinstance(methods, (list, tuple, set, frozenset))
+            or not methods
+            or not all(isinstance(m, str) and m.upper() in HTTP_METHODS for m in methods)
+        ):
+            problems.append(
+                (
+                    "dlock.E023",
+                    f"{where}['methods'] must be a non-empty list of HTTP methods "
+                    f"({', '.join(sorted(HTTP_METHODS))}), got {methods!r}",
+                )
+            )
+    if "key" in raw:
+        try:
+            KeyTemplate.parse(raw["key"])
+        except KeyTemplateError as exc:
+            problems.append(("dlock.E024", f"{where}['key']: {exc}"))
+    option_problems = [
+        ttl_error(raw["ttl"]) if raw.get("ttl") is not None else None,
+        timeout_error(raw["timeout"]) if "timeout" in raw else None,
+        strategy_error(raw["strategy"]) if raw.get("strategy") is not None else None,
+        retry_after_error(raw["retry_after"]) if "retry_after" in raw else None,
+    ]
+    using = raw.get("using")
+    if using is not None and using not in connections:
+        option_problems.append(f"unknown database alias {using!r}")
+    name = raw.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        option_problems.append(f"name must be a non-empty string, got {name!r}")
+    problems.extend(("dlock.E025", f"{where}: {p}") for p in option_problems if p)
+    if "on_contention" in raw:
+        problem = _contention_problem(raw["on_contention"], raw.get("timeout", 0))
+        if problem:
+            problems.append(("dlock.E026", f"{where}['on_contention']: {problem}"))
+    return problems
+
+
+def _contention_policy(value: object) -> Any:
+    if isinstance(value, str) and value != "wait" and "." in value:
+        return import_string(value)
+    return value
+
+
+def _contention_problem(value: object, timeout: object) -> str | None:
+    try:
+        policy = _contention_policy(value)
+    except ImportError as exc:
+        return f"cannot import {value!r}: {exc}"
+    return contention_policy_error(policy, timeout)
+
+
+def _raw_rules() -> object:
+    return conf.MIDDLEWARE_RULES
+
+
+def rule_problems(raw_rules: object) -> list[tuple[str, str]]:
+    """Every problem of a ``DLOCK_MIDDLEWARE_RULES`` value, as ``(id, message)``."""
+    if isinstance(raw_rules, (str, bytes, dict)) or not isinstance(raw_rules, (list, tuple)):
+        return [
+            (
+                "dlock.E020",
+                f"DLOCK_MIDDLEWARE_RULES must be a list of dicts, not {type(raw_rules).__name__}",
+            )
+        ]
+    problems: list[tuple[str, str]] = []
+    for index, raw in enumerate(raw_rules):
+        problems.extend(_rule_problems(index, raw))
+    return problems
+
+
+def compile_rules(raw_rules: object) -> tuple[Rule, ...]:
+    """Validate and compile ``DLOCK_MIDDLEWARE_RULES``.
+
+    Raises:
+        ImproperlyConfigured: a rule is invalid (the system checks
+            dlock.E020-E026 report the same problems at start-up).
+    """
+    problems = rule_problems(raw_rules)
+    if problems:
+        raise ImproperlyConfigured(
+            "; ".join(f"{message} ({check_id})" for check_id, message in problems)
+        )
+    assert isinstance(raw_rules, (list, tuple))
+    rules = []
+    for index, raw in enumerate(raw_rules):
+        methods = raw.get("methods")
+        timeout = raw.get("timeout", 0)
+        rules.append(
+            Rule(
+                index=index,
+                pattern=re.compile(raw["path"]),
+                methods=None if methods is None else frozenset(m.upper() for m in methods),
+                template=KeyTemplate.parse(raw["key"]),
+                name=raw.get("name"),
+                options={
+                    "timeout": timeout,
+                    "ttl": raw.get("ttl"),
+                    "strategy": raw.get("strategy"),
+                    "using": raw.get("using"),
+                },
+                on_contention=_contention_policy(raw.get("on_contention", 423)),
+                retry_after=raw.get("retry_after", 1),
+            )
+        )
+    return tuple(rules)
+
+
+# -- the middleware ---------------------------------------------------------------
+
+
+class LockMiddleware:
+    """Hold a lock per request for the rules in ``DLOCK_MIDDLEWARE_RULES``.
+
+    Sync and async capable: under ASGI it acquires and waits without
+    blocking the event loop.
+    """
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+        self._source: object = None
+        self._rules: tuple[Rule, ...] = ()
+
+    def rules(self) -> tuple[Rule, ...]:
+        # Read at call time so override_settings works; compiled once per value.
+        raw = _raw_rules()
+        if raw is not self._source:
+            self._rules = compile_rules(raw)
+            self._source = raw
+        return self._rules
+
+    def match(self, request: HttpRequest) -> Rule | None:
+        for rule in self.rules():
+            if rule.matches(request):
+                return rule
+        return None
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
+        rule = self.match(request)
+        lk = None if rule is None else rule.lock(request)
+        if rule is None or lk is None:
+            return self.get_response(request)
+        if not lk.acquire():
+            return self._contended(rule, lk, request)
+        holder = current_holder()
+        try:
+            response = self.get_response(request)
+        except BaseException as exc:
+            lk.__exit__(type(exc), exc, None)
+            raise
+        if _is_streaming(response):
+            release_on_close(response, lk, holder)
+        else:
+            lk.__exit__(None, None, None)
+        return response
+
+    async def __acall__(self, request: HttpRequest) -> Any:
+        rule = self.match(request)
+        lk = None
+        if rule is not None:
+            # Rendering may read the session and the user: ORM work.
+            needs_orm = rule.needs_session
+            lk = await sync_to_async(rule.lock)(request) if needs_orm else rule.lock(request)
+        if rule is None or lk is None:
+            return await self.get_response(request)
+        if not await lk.aacquire():
+            return await self._acontended(rule, lk, request)
+        holder = current_holder()
+        try:
+            response = await self.get_response(request)
+        except BaseException as exc:
+            await lk.__aexit__(type(exc), exc, None)
+            raise
+        if _is_streaming(response):
+            release_on_close(response, lk, holder)
+        else:
+            await lk.__aexit__(None, None, None)
+        return response
+
+    def _contended(self, rule: Rule, lk: Lock, request: HttpRequest) -> HttpResponseBase:
+        contention = rule.contention(lk, request)
+        if callable(rule.on_contention):
+            if iscoroutinefunction(rule.on_contention):
+                response: HttpResponseBase = async_to_sync(rule.on_contention)(contention)
+                return response
+            result: HttpResponseBase = rule.on_contention(contention)
+            return result
+        return contention.response(rule.default_status())
+
+    async def _acontended(self, rule: Rule, lk: Lock, request: HttpRequest) -> HttpResponseBase:
+        contention = rule.contention(lk, request)
+        if callable(rule.on_contention):
+            result = rule.on_contention(contention)
+            if inspect.isawaitable(result):
+                result = await result
+            response: HttpResponseBase = result
+            return response
+        return contention.response(rule.default_status())
+
+
+# -- system checks -------------------------------------------------------------
+
+
+def _middleware_index(middleware: Iterable[str], path: str) -> int | None:
+    for index, entry in enumerate(middleware):
+        if entry == path:
+            return index
+    return None
+
+
+def check_rules() -> list[CheckMessage]:
+    """dlock.E020-E027, dlock.W020-W022: the rules and the middleware's place."""
+    raw = getattr(settings, "DLOCK_MIDDLEWARE_RULES", [])
+    messages: list[CheckMessage] = []
+    problems = rule_problems(raw)
+    hint = "See docs/views.md (DLOCK_MIDDLEWARE_RULES)."
+    messages.extend(Error(message, hint=hint, id=check_id) for check_id, message in problems)
+    middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
+    ours = _middleware_index(middleware, MIDDLEWARE_PATH)
+    rules = raw if isinstance(raw, (list, tuple)) and not problems else []
+    if rules and ours is None:
+        messages.append(
+            checks.Warning(
+                "DLOCK_MIDDLEWARE_RULES is set but LockMiddleware is not in MIDDLEWARE, "
+                "so no rule applies.",
+                hint=f"Add {MIDDLEWARE_PATH!r} to MIDDLEWARE (after the session and "
+                "authentication middleware).",
+                id="dlock.W020",
+            )
+        )
+    if ours is not None and not raw:
+        messages.append(
+            checks.Warning(
+                "LockMiddleware is in MIDDLEWARE but DLOCK_MIDDLEWARE_RULES is empty, so it "
+                "does nothing.",
+                hint="Add rules to DLOCK_MIDDLEWARE_RULES, or remove the middleware.",
+                id="dlock.W022",
+            )
+        )
+    for index, rule in enumerate(rules):
+        names = set(KeyTemplate.parse(rule["key"]).names)
+        needed = []
+        if names & {"user", "session"}:
+            needed.append(SESSION_MIDDLEWARE)
+        if "user" in names:
+            needed.append(AUTH_MIDDLEWARE)
+        for path in needed:
+            place = _middleware_index(middleware, path)
+            if ours is not None and (place is None or place > ours):
+                messages.append(
+                    Error(
+                        f"DLOCK_MIDDLEWARE_RULES[{index}] uses "
+                        f"{'{user}' if 'user' in names else '{session}'}, which needs {path} "
+                        "before LockMiddleware in MIDDLEWARE.",
+                        hint=f"Put {path!r} before {MIDDLEWARE_PATH!r}.",
+                        id="dlock.E027",
+                    )
+                )
+        if rule.get("on_contention") == "wait" and "timeout" in rule and rule["timeout"] is None:
+            messages.append(
+                checks.Warning(
+                    f"DLOCK_MIDDLEWARE_RULES[{index}] waits without limit "
+                    '(on_contention="wait", timeout=None): a request may hold a worker '
+                    "for as long as another holds the lock.",
+                    hint="Give a timeout in seconds.",
+                    id="dlock.W021",
+                )
+            )
+    return messages

@@ -1,0 +1,230 @@
+"""``LockMiddleware``: rules per user, per anonymous session, URL kwargs, sync and async."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from asgiref.sync import async_to_sync
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.test import AsyncClient, Client, override_settings
+
+import django_dlock as dlock
+
+from .helpers import in_thread, wait_until
+from .test_decorators import contend, statuses
+from .views import PROBE
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LOCK_MIDDLEWARE = "django_dlock.middleware.LockMiddleware"
+RULES = [
+    {"path": r"^/checkout/$", "methods": ["POST"], "key": "checkout:{user}", "name": "checkout"},
+    {"path": r"^/checkout/async/$", "methods": ["post"], "key": "acheckout:{user}"},
+    {"path": r"^/shop/", "key": "shop:{shop}:{ip}", "retry_after": 5},
+]
+
+
+@pytest.fixture(autouse=True)
+def lock_middleware():
+    with override_settings(
+        MIDDLEWARE=[*settings.MIDDLEWARE, LOCK_MIDDLEWARE], DLOCK_MIDDLEWARE_RULES=RULES
+    ):
+        yield
+    PROBE.reset()
+
+
+def logged_in_client(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def make_user(name: str):
+    return get_user_model().objects.create_user(username=name, password="pw-" + name)
+
+
+def test_same_user_is_serialised():
+    user = make_user("alice")
+    responses = contend(lambda: logged_in_client(user).post("/checkout/"), n=3)
+    assert statuses(responses) == [200, 423, 423]
+    refused = [r for r in responses if r.status_code == 423]
+    assert all(r["Retry-After"] == "1" for r in refused)
+    # the body names the rule, never the rendered key
+    assert all(b'"checkout"' in r.content for r in refused)
+    assert not dlock.lock(f"checkout:{user.pk}").locked()
+
+
+def test_different_users_do_not_contend():
+    alice, bob = make_user("alice"), make_user("bob")
+    PROBE.reset()
+    PROBE.close_gate()
+    codes: dict[str, int] = {}
+
+    def post(user) -> None:
+        codes[user.username] = logged_in_client(user).post("/checkout/").status_code
+        connections.close_all()
+
+    threads = [threading.Thread(target=post, args=(u,)) for u in (alice, bob)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: PROBE.entered == 2)  # both inside at once
+    finally:
+        PROBE.gate.set()
+        for thread in threads:
+            thread.join(60)
+    assert codes == {"alice": 200, "bob": 200}
+
+
+def test_anonymous_session_is_created_and_serialised():
+    first = Client()
+    assert first.post("/checkout/").status_code == 200
+    session_key = first.cookies[settings.SESSION_COOKIE_NAME].value
+    assert session_key
+
+    def same_session() -> object:
+        client = Client()
+        client.cookies[settings.SESSION_COOKIE_NAME] = session_key
+        return client.post("/checkout/")
+
+    responses = contend(same_session, n=3)
+    assert statuses(responses) == [200, 423, 423]
+
+    # another anonymous visitor is not held up by this one: both are inside at once
+    PROBE.reset()
+    PROBE.close_gate()
+
+    def known() -> None:
+        same_session()
+        connections.close_all()
+
+    def stranger() -> None:
+        Client().post("/checkout/")
+        connections.close_all()
+
+    threads = [threading.Thread(target=known), threading.Thread(target=stranger)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: PROBE.entered == 2)
+    finally:
+        PROBE.gate.set()
+        for thread in threads:
+            thread.join(60)
+
+
+def test_anonymous_key_is_the_session_key():
+    client = Client()
+    client.post("/checkout/")
+    session_key = client.cookies[settings.SESSION_COOKIE_NAME].value
+    with dlock.lock(f"checkout:anon:{session_key}"):
+        assert in_thread(lambda: client.post("/checkout/")).status_code == 423
+
+
+def test_methods_filter():
+    user = make_user("carol")
+    client = logged_in_client(user)
+    with dlock.lock(f"checkout:{user.pk}"):
+        assert in_thread(lambda: client.get("/checkout/")).status_code == 200
+        assert in_thread(lambda: client.post("/checkout/")).status_code == 423
+
+
+def test_url_kwargs_and_ip():
+    client = Client()
+    with dlock.lock("shop:acme:127.0.0.1"):
+        refused = in_thread(lambda: client.post("/shop/acme/checkout/"))
+        assert refused.status_code == 423 and refused["Retry-After"] == "5"
+        assert b"/shop/acme/checkout/" in refused.content
+        assert in_thread(lambda: client.post("/shop/other/checkout/")).status_code == 200
+        other_ip = in_thread(lambda: client.post("/shop/acme/checkout/", REMOTE_ADDR="10.0.0.9"))
+        assert other_ip.status_code == 200
+
+
+def test_unresolvable_path_passes_through():
+    assert Client().post("/shop/").status_code == 404
+
+
+def test_async_mode_per_anonymous_session():
+    PROBE.reset()
+    PROBE.close_gate()
+
+    async def scenario():
+        client = AsyncClient()
+        PROBE.gate.set()
+        created = await client.post("/checkout/async/")  # creates the session
+        PROBE.reset()
+        PROBE.close_gate()
+        first = asyncio.ensure_future(client.post("/checkout/async/"))
+        for _ in range(6000):
+            if PROBE.entered:
+                break
+            await asyncio.sleep(0.01)
+        assert PROBE.entered == 1, "the first request never entered the view"
+        second = await client.post("/checkout/async/")
+        stranger = asyncio.ensure_future(AsyncClient().post("/checkout/async/"))
+        for _ in range(6000):
+            if PROBE.entered == 2:
+                break
+            await asyncio.sleep(0.01)
+        PROBE.gate.set()
+        return created, await first, second, await stranger
+
+    try:
+        created, first, second, stranger = async_to_sync(scenario)()
+    finally:
+        PROBE.gate.set()
+    assert created.status_code == 200
+    assert settings.SESSION_COOKIE_NAME in created.cookies
+    assert first.status_code == 200 and first.content == b"async checked out"
+    assert second.status_code == 423 and second["Retry-After"] == "1"
+    assert stranger.status_code == 200
+    assert PROBE.entered == 2
+
+
+def test_rules_are_read_at_call_time():
+    user = make_user("dave")
+    client = logged_in_client(user)
+    with dlock.lock(f"checkout:{user.pk}"):
+        with override_settings(DLOCK_MIDDLEWARE_RULES=[]):
+            assert in_thread(lambda: client.post("/checkout/")).status_code == 200
+        assert in_thread(lambda: client.post("/checkout/")).status_code == 423
+
+
+def test_invalid_rules_raise_improperly_configured():
+    bad = override_settings(DLOCK_MIDDLEWARE_RULES=[{"path": "(", "key": "x"}])
+    with bad, pytest.raises(ImproperlyConfigured, match="dlock.E022"):
+        Client().post("/checkout/")
+
+
+def test_wait_rule_serialises():
+    rules = [
+        {"path": r"^/checkout/$", "key": "w:{session}", "on_contention": "wait", "timeout": 60}
+    ]
+    with override_settings(DLOCK_MIDDLEWARE_RULES=rules):
+        first = Client()
+        first.post("/checkout/")
+        session_key = first.cookies[settings.SESSION_COOKIE_NAME].value
+        PROBE.reset()
+        results = []
+
+        def post() -> None:
+            client = Client()
+            client.cookies[settings.SESSION_COOKIE_NAME] = session_key
+            results.append(client.post("/checkout/").status_code)
+            connections.close_all()
+
+        PROBE.close_gate()
+        threads = [threading.Thread(target=post) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: PROBE.entered == 1)
+        PROBE.gate.set()
+        for thread in threads:
+            thread.join(60)
+    assert results == [200, 200, 200]
+    assert PROBE.max_active == 1
