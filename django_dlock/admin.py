@@ -1,0 +1,393 @@
+"""Admin for lease locks, and a read-only page of PostgreSQL advisory locks.
+
+* The lock list shows each lease with a state badge (held / expired /
+  released) and the time left, both judged on the database clock.
+* "Force-release selected locks" (permission
+  ``django_dlock.force_release_lock``) ends the selected leases after a
+  confirmation page: one ``LogEntry`` per lock, the ``lock_force_released``
+  signal, and on PostgreSQL a ``NOTIFY`` that wakes the waiters.
+* "Delete all expired locks" (permission ``django_dlock.delete_lock``) runs
+  the batched cleanup of :mod:`django_dlock.cleanup`.
+* On PostgreSQL, "Advisory locks" lists the advisory locks held or awaited
+  in the database; a superuser can end a holder's session after a
+  confirmation (``pg_terminate_backend``).
+
+Locks cannot be added or edited here, and full tokens are never shown.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import PermissionDenied
+from django.db import connections
+from django.db.models import Q, QuerySet
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+)
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from django_dlock import cleanup, dbclock, override
+from django_dlock.dbclock import DbNow
+from django_dlock.models import Lock
+
+#: badge colours: (text, background)
+BADGES = {
+    "held": ("#155724", "#d4edda", "●"),
+    "waiting": ("#004085", "#cce5ff", "◔"),
+    "expired": ("#856404", "#fff3cd", "◌"),
+    "released": ("#383d41", "#e2e3e5", "○"),
+}
+
+
+def badge(state: str) -> SafeString:
+    """A coloured state badge (inline styles: no static files needed)."""
+    color, background, mark = BADGES[state]
+    return format_html(
+        '<span class="dlock-state dlock-state-{}" style="display:inline-block;'
+        "padding:1px 8px;border-radius:9px;font-weight:600;white-space:nowrap;"
+        'color:{};background:{}">{} {}</span>',
+        state,
+        color,
+        background,
+        mark,
+        state,
+    )
+
+
+def duration(seconds: float) -> str:
+    """``3 h 05 min``, ``4 min 09 s``, ``12 s``."""
+    seconds = int(round(abs(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def compact(value: dt.datetime | None) -> str:
+    """``2024-05-01 14:03:07`` in the current time zone (``—`` for none)."""
+    if value is None:
+        return "—"
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+    return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+class StateFilter(admin.SimpleListFilter):
+    """Held / expired / released, judged on the database clock."""
+
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("held", "held"),
+            ("expired", "expired (never released)"),
+            ("released", "released"),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Lock]) -> QuerySet[Lock]:
+        value = self.value()
+        if value == "held":
+            return queryset.filter(expire_at__gt=DbNow())
+        if value == "expired":
+            return queryset.filter(expire_at__lte=DbNow()).exclude(token="")
+        if value == "released":
+            return queryset.filter(Q(expire_at__lte=DbNow()) & Q(token=""))
+        return queryset
+
+
+@admin.register(Lock)
+class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = (
+        "name",
+        "state",
+        "owner",
+        "fence",
+        "acquired",
+        "expires",
+        "time_left",
+        "token_start",
+    )
+    list_filter = (StateFilter,)
+    search_fields = ("name", "owner")
+    ordering = ("name",)
+    list_per_page = 100
+    show_full_result_count = False
+    actions = ["force_release", "delete_expired"]
+    fields = (
+        "name",
+        "state",
+        "owner",
+        "fence",
+        "token_start",
+        "acquired_at",
+        "expire_at",
+        "time_left",
+    )
+    readonly_fields = fields
+
+    # -- permissions: view, force-release and cleanup; never add/change/delete a row
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Deleting a held row by hand would lose its fencing history; free
+        # rows go through "Delete all expired locks" (django_dlock.cleanup).
+        return False
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("django_dlock.force_release_lock"))
+
+    def has_delete_expired_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("django_dlock.delete_lock"))
+
+    # -- list ------------------------------------------------------------------
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Lock]:
+        return override.annotate_state(super().get_queryset(request))
+
+    @admin.display(description="state", ordering="expire_at")
+    def state(self, obj: Lock) -> SafeString:
+        return badge(override.state_of(bool(obj.db_held), obj.token))  # type: ignore[attr-defined]
+
+    @admin.display(description="time left (database clock)", ordering="expire_at")
+    def time_left(self, obj: Lock) -> str:
+        left = float(obj.db_seconds_left or 0.0)  # type: ignore[attr-defined]
+        if obj.db_held:  # type: ignore[attr-defined]
+            return f"{duration(left)} left"
+        return f"ended {duration(left)} ago"
+
+    @admin.display(description="acquired", ordering="acquired_at")
+    def acquired(self, obj: Lock) -> str:
+        return compact(obj.acquired_at)
+
+    @admin.display(description="expires", ordering="expire_at")
+    def expires(self, obj: Lock) -> str:
+        return compact(obj.expire_at)
+
+    @admin.display(description="token")
+    def token_start(self, obj: Lock) -> str:
+        return override.token_prefix(obj.token) or "—"
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        alias = override.default_alias()
+        context = {
+            **(extra_context or {}),
+            **self._clock_context(alias),
+            "dlock_advisory": override.is_postgresql(alias),
+        }
+        return super().changelist_view(request, extra_context=context)
+
+    def _clock_context(self, alias: str) -> dict[str, Any]:
+        connection = connections[alias]
+        with connection.cursor() as cur:
+            cur.execute(f"SELECT {dbclock.now_sql(connection)}", [])
+            row = cur.fetchone()
+        db_now = row[0] if row else None
+        if isinstance(db_now, str):  # SQLite returns text
+            db_now = dt.datetime.fromisoformat(db_now).replace(tzinfo=dt.timezone.utc)
+        if isinstance(db_now, dt.datetime) and timezone.is_naive(db_now):
+            db_now = db_now.replace(tzinfo=dt.timezone.utc)
+        skew = None
+        if isinstance(db_now, dt.datetime):
+            skew = (timezone.now() - db_now).total_seconds()
+        return {"dlock_db_now": db_now, "dlock_skew": skew}
+
+    # -- actions -----------------------------------------------------------------
+
+    @admin.action(description="Force-release selected locks", permissions=["force_release"])
+    def force_release(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+        if request.POST.get("post") != "yes":
+            return self._confirm_force_release(request, queryset)
+        objects = {obj.pk: obj for obj in queryset}
+        released = override.force_release(
+            queryset.db, pks=list(objects), user=request.user, source="admin"
+        )
+        for item in released:
+            obj = objects[item.pk]
+            self.log_change(
+                request,
+                obj,
+                f"Force-released (was held by {item.owner or 'unknown'}, fence {item.fence}).",
+            )
+        if released:
+            names = ", ".join(item.name for item in released)
+            self.message_user(
+                request,
+                f"Force-released {len(released)} lock{'s' if len(released) != 1 else ''}: "
+                f"{names}. Their holders will see LockLost on their next renew or release.",
+                messages.SUCCESS,
+            )
+        skipped = len(objects) - len(released)
+        if skipped:
+            self.message_user(
+                request,
+                f"{skipped} selected lock{'s were' if skipped != 1 else ' was'} already "
+                "released (nothing to do).",
+                messages.WARNING,
+            )
+        return None
+
+    def _confirm_force_release(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+        opts = self.model._meta
+        rows = [
+            {
+                "obj": obj,
+                "state": self.state(obj),
+                "time_left": self.time_left(obj),
+                "token": self.token_start(obj),
+            }
+            for obj in queryset
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Force-release locks: are you sure?",
+            "opts": opts,
+            "rows": rows,
+            "queryset": queryset,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/django_dlock/lock/force_release_confirmation.html", context
+        )
+
+    @admin.action(description="Delete all expired locks", permissions=["delete_expired"])
+    def delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> None:
+        deleted = cleanup.delete_free(queryset.db)
+        self.message_user(
+            request,
+            f"Deleted {deleted} expired or released lock row{'s' if deleted != 1 else ''} "
+            "(all free rows, not only the selected ones; held locks are never deleted).",
+            messages.SUCCESS,
+        )
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    # -- advisory locks (PostgreSQL) ---------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        info = (self.model._meta.app_label, self.model._meta.model_name)
+        urls = [
+            path(
+                "advisory/",
+                self.admin_site.admin_view(self.advisory_view),
+                name="{}_{}_advisory".format(*info),
+            ),
+            path(
+                "advisory/terminate/<int:pid>/",
+                self.admin_site.admin_view(self.terminate_view),
+                name="{}_{}_terminate".format(*info),
+            ),
+        ]
+        return urls + super().get_urls()
+
+    def _page(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
+        return {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "opts": self.model._meta,
+            **extra,
+        }
+
+    def advisory_view(self, request: HttpRequest) -> HttpResponse:
+        """Read-only list of the advisory locks held or awaited (PostgreSQL)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        alias = override.default_alias()
+        postgresql = override.is_postgresql(alias)
+        locks = override.advisory_locks(alias) if postgresql else []
+        find = request.GET.get("name", "").strip()
+        find_key = override.advisory_key_of(find) if find else None
+        rows = [
+            {
+                "lock": lk,
+                "badge": badge(lk.state),
+                "match": find_key is not None and lk.key == (find_key,),
+            }
+            for lk in locks
+        ]
+        context = self._page(
+            request,
+            "Advisory locks",
+            rows=rows,
+            postgresql=postgresql,
+            vendor=connections[alias].vendor,
+            alias=alias,
+            find=find,
+            find_key=find_key,
+            can_terminate=request.user.is_superuser,
+            held=sum(1 for lk in locks if lk.granted),
+            waiting=sum(1 for lk in locks if not lk.granted),
+        )
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/django_dlock/lock/advisory_locks.html", context)
+
+    @staticmethod
+    def _superuser_only(request: HttpRequest) -> None:
+        if not request.user.is_superuser:
+            raise PermissionDenied
+
+    def terminate_view(self, request: HttpRequest, pid: int) -> HttpResponse:
+        """Confirm (GET), then end (POST) the session of an advisory-lock holder."""
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
+        return _terminate(self, request, pid)
+
+
+def _terminate(model_admin: LockAdmin, request: HttpRequest, pid: int) -> HttpResponse:
+    model_admin._superuser_only(request)
+    alias = override.default_alias()
+    if not override.is_postgresql(alias):
+        raise PermissionDenied
+    advisory_url = reverse(f"{model_admin.admin_site.name}:django_dlock_lock_advisory")
+    locks = [lk for lk in override.advisory_locks(alias) if lk.pid == pid]
+    if request.method == "POST":
+        if request.POST.get("post") == "yes" and override.terminate_backend(
+            alias, pid, user=request.user
+        ):
+            model_admin.message_user(
+                request,
+                f"Terminated PostgreSQL backend {pid}: its advisory locks are released.",
+                messages.SUCCESS,
+            )
+        else:
+            model_admin.message_user(
+                request,
+                f"Backend {pid} holds or awaits no advisory lock any more; nothing was done.",
+                messages.WARNING,
+            )
+        return HttpResponseRedirect(advisory_url)
+    context = model_admin._page(
+        request,
+        f"Terminate PostgreSQL backend {pid}?",
+        pid=pid,
+        rows=[{"lock": lk, "badge": badge(lk.state)} for lk in locks],
+        advisory_url=advisory_url,
+    )
+    request.current_app = model_admin.admin_site.name
+    return TemplateResponse(request, "admin/django_dlock/lock/terminate_confirmation.html", context)

@@ -1,0 +1,263 @@
+"""The lock admin through Django's test client (the browser test is test_admin_browser.py)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.db import DatabaseError, connections
+from django.test import Client
+from django.urls import reverse
+
+import django_dlock as dlock
+from django_dlock import signals
+from django_dlock.keys import hash64
+from django_dlock.models import Lock as LockRow
+from django_dlock.override import advisory_key
+
+from .factories import LockFactory as _LockFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHANGELIST = "/admin/django_dlock/lock/"
+
+
+def make_row(**fields) -> LockRow:
+    """A saved lease row from the factory (typed)."""
+    row: LockRow = _LockFactory(**fields)  # type: ignore[assignment]
+    return row
+
+
+def make_user(name: str, *perms: str, superuser: bool = False):
+    model = get_user_model()
+    if superuser:
+        return model.objects.create_superuser(name, f"{name}@example.com", "pw")
+    user = model.objects.create_user(name, password="pw", is_staff=True)
+    for codename in perms:
+        user.user_permissions.add(Permission.objects.get(codename=codename))
+    return user
+
+
+def client_for(user) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def admin_client_(db):
+    return client_for(make_user("root", superuser=True))
+
+
+def action(client: Client, name: str, rows, **extra):
+    data = {"action": name, "_selected_action": [r.pk for r in rows], **extra}
+    return client.post(CHANGELIST, data, follow=extra.get("post") == "yes")
+
+
+def test_changelist_shows_states_on_the_database_clock_and_no_full_token(admin_client_):
+    lk = dlock.lock("invoice:1", ttl=300)
+    lk.acquire()
+    try:
+        make_row(name="lock:crashed", expired=True, token="f" * 33)
+        make_row(name="lock:done", expired=True)
+        page = admin_client_.get(CHANGELIST).content.decode()
+        assert "dlock-state-held" in page
+        assert "dlock-state-expired" in page
+        assert "dlock-state-released" in page
+        assert re.search(r"\d min \d\d s left", page)  # about five minutes on the DB clock
+        assert "ended " in page
+        assert "judged on the database clock" in page
+        assert lk.token not in page and lk.token[:8] + "…" in page
+        assert "f" * 9 not in page
+        assert "Advisory locks (PostgreSQL)" in page
+    finally:
+        lk.release()
+
+
+def test_state_filter_and_search(admin_client_):
+    make_row(name="lock:alpha")
+    make_row(name="lock:beta", expired=True)
+    held = admin_client_.get(CHANGELIST, {"state": "held"}).content.decode()
+    assert "lock:alpha" in held and "lock:beta" not in held
+    released = admin_client_.get(CHANGELIST, {"state": "released"}).content.decode()
+    assert "lock:beta" in released and "lock:alpha" not in released
+    found = admin_client_.get(CHANGELIST, {"q": "alph"}).content.decode()
+    assert "lock:alpha" in found and "lock:beta" not in found
+
+
+def test_no_add_change_or_delete(admin_client_):
+    row = make_row()
+    assert admin_client_.get(CHANGELIST + "add/").status_code == 403
+    detail = admin_client_.get(f"{CHANGELIST}{row.pk}/change/")
+    assert detail.status_code == 200  # read-only view
+    assert row.token not in detail.content.decode()
+    assert 'name="_save"' not in detail.content.decode()
+    assert admin_client_.get(f"{CHANGELIST}{row.pk}/delete/").status_code == 403
+    assert "delete_selected" not in admin_client_.get(CHANGELIST).content.decode()
+
+
+def test_force_release_confirms_logs_signals_and_the_holder_sees_lock_lost(admin_client_):
+    lk = dlock.lock("report", ttl=300)
+    lk.acquire()
+    other = make_row(name="lock:other")
+    row = LockRow.objects.get(name="lock:report")
+    seen = []
+
+    def receiver(sender, **kwargs):
+        seen.append(kwargs)
+
+    signals.lock_force_released.connect(receiver)
+    try:
+        confirm = action(admin_client_, "force_release", [row])
+        assert confirm.status_code == 200
+        page = confirm.content.decode()
+        assert "Force-release locks: are you sure?" in page
+        assert "lock:report" in page and "lock:other" not in page
+        assert lk.token not in page
+        assert lk.owned()  # nothing happened yet
+
+        done = action(admin_client_, "force_release", [row], post="yes")
+        assert done.status_code == 200
+        assert "Force-released 1 lock: lock:report" in done.content.decode()
+        assert not lk.locked()
+        with pytest.raises(dlock.LockLost):
+            lk.release()
+    finally:
+        signals.lock_force_released.disconnect(receiver)
+    row.refresh_from_db()
+    assert row.token == ""
+    other.refresh_from_db()
+    assert other.token  # not selected, untouched
+    entry = LogEntry.objects.get(object_id=str(row.pk))
+    assert entry.action_flag == CHANGE and "Force-released" in entry.get_change_message()
+    assert [s["name"] for s in seen] == ["lock:report"]
+    assert seen[0]["source"] == "admin" and seen[0]["user"].username == "root"
+
+
+def test_force_release_of_an_already_released_lock(admin_client_):
+    row = make_row(expired=True)
+    done = action(admin_client_, "force_release", [row], post="yes")
+    assert "already released" in done.content.decode()
+    assert not LogEntry.objects.exists()
+
+
+def test_force_release_needs_the_permission():
+    row = make_row(name="lock:guarded")
+    viewer = client_for(make_user("viewer", "view_lock"))
+    page = viewer.get(CHANGELIST).content.decode()
+    assert "lock:guarded" in page
+    assert 'value="force_release"' not in page
+    assert 'value="delete_expired"' not in page
+    action(viewer, "force_release", [row], post="yes")
+    row.refresh_from_db()
+    assert row.token  # not released
+
+    operator = client_for(make_user("operator", "view_lock", "force_release_lock"))
+    page = operator.get(CHANGELIST).content.decode()
+    assert 'value="force_release"' in page and 'value="delete_expired"' not in page
+    action(operator, "force_release", [row], post="yes")
+    row.refresh_from_db()
+    assert row.token == ""
+
+
+def test_delete_expired_uses_the_batched_cleanup(admin_client_):
+    held = make_row(name="lock:held")
+    [make_row(expired=True) for _ in range(3)]
+    done = action(admin_client_, "delete_expired", [held], post="yes")
+    assert "Deleted 3 expired or released lock rows" in done.content.decode()
+    assert list(LockRow.objects.values_list("name", flat=True)) == ["lock:held"]
+
+
+@pytest.fixture
+def advisory_holder():
+    """Another PostgreSQL session holding advisory locks (int8 and int4 pair)."""
+    other = connections["default"].copy()
+    with other.cursor() as cur:
+        cur.execute("SET application_name = 'dlock-test-holder'")
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nightly")])
+        cur.execute("SELECT pg_advisory_lock(%s, %s)", [7, -42])
+        cur.execute("SELECT pg_backend_pid()")
+        pid = cur.fetchone()[0]
+    yield other, pid
+    other.close()
+
+
+def test_advisory_page_lists_held_locks(admin_client_, advisory_holder):
+    _, pid = advisory_holder
+    url = reverse("admin:django_dlock_lock_advisory")
+    page = admin_client_.get(url, {"name": "nightly"}).content.decode()
+    assert str(hash64("lock:nightly")) in page
+    assert "(7, -42)" in page
+    assert "dlock-test-holder" in page and str(pid) in page
+    assert "dlock-state-held" in page
+    assert 'class="selected"' in page  # the searched name is highlighted
+    assert "Terminate holder" in page
+
+
+def test_advisory_key_reconstruction():
+    assert advisory_key(0xFFFFFFFF, 0xFFFFFFFE, 1) == ("int8", (-2,))
+    assert advisory_key(0, 5, 1) == ("int8", (5,))
+    assert advisory_key(7, 0xFFFFFFD6, 2) == ("int4 pair", (7, -42))
+
+
+def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
+    def wait() -> None:
+        waiter = connections["default"].copy()  # created in the thread that uses it
+        try:
+            with waiter.cursor() as cur:
+                cur.execute("SET lock_timeout = '20s'")
+                cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nightly")])
+        except DatabaseError:
+            pass
+        finally:
+            waiter.close()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        url = reverse("admin:django_dlock_lock_advisory")
+        for _ in range(500):
+            page = admin_client_.get(url).content.decode()
+            if "dlock-state-waiting" in page:
+                break
+        assert "dlock-state-waiting" in page
+        assert "1 waiting" in page
+    finally:
+        holder, _ = advisory_holder
+        holder.close()  # frees the lock: the waiter gets it and leaves
+        thread.join(60)
+
+
+def test_terminate_holder_is_superuser_only_and_confirmed(admin_client_, advisory_holder):
+    holder, pid = advisory_holder
+    url = reverse("admin:django_dlock_lock_terminate", args=[pid])
+    staff = client_for(make_user("staff", "view_lock", "force_release_lock"))
+    assert staff.get(url).status_code == 403
+    assert staff.post(url, {"post": "yes"}).status_code == 403
+    listing = staff.get(reverse("admin:django_dlock_lock_advisory")).content.decode()
+    assert "Terminate holder" not in listing
+
+    confirm = admin_client_.get(url)
+    assert confirm.status_code == 200 and "Yes, terminate backend" in confirm.content.decode()
+    with holder.cursor() as cur:  # still alive after the GET
+        cur.execute("SELECT 1")
+
+    done = admin_client_.post(url, {"post": "yes"}, follow=True)
+    assert f"Terminated PostgreSQL backend {pid}" in done.content.decode()
+    with pytest.raises(DatabaseError), holder.cursor() as cur:
+        cur.execute("SELECT 1")
+    page = admin_client_.get(reverse("admin:django_dlock_lock_advisory")).content.decode()
+    assert "No advisory lock is held or awaited." in page
+
+
+def test_terminate_needs_post_with_csrf(advisory_holder):
+    _, pid = advisory_holder
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(make_user("root2", superuser=True))
+    url = reverse("admin:django_dlock_lock_terminate", args=[pid])
+    assert client.post(url, {"post": "yes"}).status_code == 403  # no CSRF token
+    assert client.put(url).status_code in (403, 405)

@@ -1,0 +1,191 @@
+"""The lock admin in a real browser: headless Chromium driven by Playwright.
+
+Needs Debian's ``chromium`` (``apt-get install -y chromium chromium-driver``)
+and the ``playwright`` Python package (no ``playwright install``: the test
+launches the system's Chromium). A missing browser FAILS the test, it is
+never skipped.
+
+``DLOCK_WRITE_SCREENSHOT=1`` writes the lock list to
+``docs/img/admin-locks.png`` (otherwise to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.utils import timezone
+
+import django_dlock as dlock
+from django_dlock.models import Lock as LockRow
+
+from .factories import LockFactory
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHROMIUM = os.environ.get("DLOCK_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
+CHANGELIST = "/admin/django_dlock/lock/"
+
+
+def require_browser() -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"Chromium not found at {CHROMIUM}: install Debian's browser "
+            "(apt-get install -y chromium chromium-driver) or set DLOCK_CHROMIUM",
+            pytrace=False,
+        )
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.fail(
+            "the playwright Python package is missing: pip install playwright "
+            "(no 'playwright install' needed: the test uses the system's Chromium)",
+            pytrace=False,
+        )
+
+
+def in_browser(steps: Any) -> Any:
+    """Run ``steps(page)`` in headless Chromium, in a thread of its own.
+
+    Playwright's sync API runs an event loop in its thread; keeping it off
+    the test's thread keeps the lock holder and the ORM there untouched.
+    """
+    from playwright.sync_api import sync_playwright
+
+    def run() -> Any:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1600, "height": 640})
+                # a collapsed navigation sidebar leaves the lock list the width
+                page.add_init_script(
+                    "localStorage.setItem('django.admin.navSidebarIsOpen', 'false')"
+                )
+                page.set_default_timeout(30_000)
+                return steps(page)
+            finally:
+                browser.close()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result(timeout=300)
+
+
+def log_in(page: Any, base: str, username: str, password: str) -> None:
+    page.goto(f"{base}/admin/login/?next={CHANGELIST}")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+    page.wait_for_url(f"**{CHANGELIST}")
+
+
+def other_locks() -> None:
+    """Rows in every state, so the list (and the screenshot) shows them all."""
+    now = timezone.now()
+    LockFactory(
+        name="lock:checkout:user-17",
+        owner="web-2 pid=3188 thread=Thread-14 (process_request_thread)",
+        fence=5121,
+        expire_at=now + dt.timedelta(seconds=45),
+    )
+    LockFactory(
+        name="leader:scheduler",
+        owner="worker-1 pid=977 thread=django-dlock-leader",
+        fence=88,
+        expire_at=now + dt.timedelta(seconds=14),
+    )
+    LockFactory(
+        name="task:nightly-report",
+        owner="cron-1 pid=2211 thread=MainThread",
+        fence=4096,
+        expired=True,
+        token="5d41402abc4b2a76b9719d911017c592",  # ran out, never released
+        acquired_at=now - dt.timedelta(hours=3),
+    )
+    LockFactory(
+        name="lock:sync-catalog",
+        owner="worker-2 pid=1502 task=Task-31",
+        fence=3907,
+        expired=True,
+        acquired_at=now - dt.timedelta(hours=2),
+    )
+
+
+def test_force_release_in_a_real_browser(live_server, tmp_path):
+    require_browser()
+    get_user_model().objects.create_superuser("root", "root@example.com", "browser-pw")
+    other_locks()
+    lk = dlock.lock("invoice:1042", ttl=600)
+    lk.acquire()
+    assert lk.owned()
+    token = lk.token
+    write_docs = os.environ.get("DLOCK_WRITE_SCREENSHOT") == "1"
+    shot = DOCS_IMG / "admin-locks.png" if write_docs else tmp_path / "admin-locks.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+
+    def steps(page: Any) -> dict[str, Any]:
+        log_in(page, live_server.url, "root", "browser-pw")
+        row = page.locator("#result_list tbody tr", has_text="lock:invoice:1042")
+        seen: dict[str, Any] = {
+            "state_before": row.locator(".dlock-state").inner_text(),
+            "page_before": page.content(),
+        }
+        page.screenshot(path=str(shot), full_page=True)
+        row.locator("input.action-select").check()
+        page.select_option("select[name=action]", "force_release")
+        page.click("button[name=index]")
+        page.wait_for_selector("#dlock-confirm")
+        seen["confirm_title"] = page.locator("#content h1").inner_text()
+        seen["confirm_rows"] = page.locator("#dlock-force-release-list tbody tr").count()
+        page.click("#dlock-confirm")
+        page.wait_for_selector("ul.messagelist")
+        seen["message"] = page.locator("ul.messagelist").inner_text()
+        row = page.locator("#result_list tbody tr", has_text="lock:invoice:1042")
+        seen["state_after"] = row.locator(".dlock-state").inner_text()
+        return seen
+
+    seen = in_browser(steps)
+    assert "held" in seen["state_before"]
+    assert token not in seen["page_before"]  # never the full token
+    assert seen["confirm_title"] == "Force-release locks: are you sure?"
+    assert seen["confirm_rows"] == 1
+    assert "Force-released 1 lock: lock:invoice:1042" in seen["message"]
+    assert "released" in seen["state_after"]
+    assert LockRow.objects.get(name="lock:invoice:1042").token == ""
+    assert not lk.locked()
+    with pytest.raises(dlock.LockLost):
+        lk.release()  # the old holder learns it lost the lock
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_staff_without_the_permission_does_not_see_the_action(live_server):
+    require_browser()
+    user = get_user_model().objects.create_user("viewer", password="browser-pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="view_lock"))
+    other_locks()
+
+    def steps(page: Any) -> dict[str, Any]:
+        log_in(page, live_server.url, "viewer", "browser-pw")
+        options = page.locator("select[name=action] option").all_inner_texts()
+        return {"options": options, "text": page.locator("#content").inner_text()}
+
+    seen = in_browser(steps)
+    assert "lock:checkout:user-17" in seen["text"]  # the list is visible
+    assert not any("Force-release" in option for option in seen["options"])
+    assert "Force-release" not in seen["text"]
