@@ -1,0 +1,92 @@
+"""``manage.py dlock_list``: the locks held now (lease rows, advisory locks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
+
+from django_dlock import override
+
+
+def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Rows as aligned text columns."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
+def seconds_text(lease: override.Lease) -> str:
+    if lease.state == "held":
+        return f"{lease.seconds_left:.1f} s left"
+    return f"ended {abs(lease.seconds_left):.1f} s ago"
+
+
+def resolve_alias(using: str | None) -> str:
+    alias = using or override.default_alias()
+    if alias not in connections:
+        raise CommandError(f"unknown database alias {alias!r} (known: {', '.join(connections)})")
+    return alias
+
+
+class Command(BaseCommand):
+    help = (
+        "List the locks held now: lease rows (state on the database clock) and, on "
+        "PostgreSQL, advisory locks held or awaited."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--using", default=None, help="database alias")
+        parser.add_argument(
+            "--all", action="store_true", help="also list expired and released lease rows"
+        )
+        parser.add_argument(
+            "--limit", type=int, default=1000, help="at most this many lease rows (default 1000)"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        using = resolve_alias(options["using"])
+        limit = options["limit"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise CommandError(f"--limit must be a whole number >= 1, got {limit!r}")
+        leases = override.leases(using, held_only=not options["all"], limit=limit)
+        what = "Lease rows" if options["all"] else "Held leases"
+        self.stdout.write(f"{what} in {using!r}: {len(leases)}")
+        if leases:
+            rows = [
+                [
+                    lease.name,
+                    lease.state,
+                    lease.owner,
+                    str(lease.fence),
+                    lease.token_prefix,
+                    seconds_text(lease),
+                ]
+                for lease in leases
+            ]
+            for line in table(["NAME", "STATE", "OWNER", "FENCE", "TOKEN", "EXPIRES"], rows):
+                self.stdout.write(line)
+        if override.is_postgresql(using):
+            advisory = override.advisory_locks(using)
+            self.stdout.write(f"Advisory locks in {using!r}: {len(advisory)}")
+            if advisory:
+                rows = [
+                    [
+                        lk.key_text,
+                        lk.kind,
+                        lk.state,
+                        lk.mode,
+                        str(lk.pid),
+                        lk.application,
+                        "" if lk.waiting_since is None else lk.waiting_since.isoformat(),
+                    ]
+                    for lk in advisory
+                ]
+                headers = ["KEY", "KIND", "STATE", "MODE", "PID", "APPLICATION", "WAITING SINCE"]
+                for line in table(headers, rows):
+                    self.stdout.write(line)

@@ -1,0 +1,54 @@
+"""``manage.py dlock_show NAME``: one lock in detail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_dlock import override
+from django_dlock.management.commands.dlock_list import resolve_alias, seconds_text
+
+
+class Command(BaseCommand):
+    help = (
+        'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
+        "its lease row and, on PostgreSQL, who holds or awaits its advisory key."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="lock name")
+        parser.add_argument("--using", default=None, help="database alias")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        using = resolve_alias(options["using"])
+        name = options["name"]
+        lease = override.find_lease(using, name)
+        advisory = []
+        key = None
+        if override.is_postgresql(using):
+            key = override.advisory_key_of(name)
+            advisory = [lk for lk in override.advisory_locks(using) if lk.key == (key,)]
+        if lease is None and not advisory:
+            raise CommandError(f"no lock named {name!r} in {using!r}")
+        if lease is not None:
+            acquired = lease.acquired_at
+            fields = [
+                ("name", lease.name),
+                ("state", lease.state),
+                ("owner", lease.owner or "-"),
+                ("fence", str(lease.fence)),
+                ("token", lease.token_prefix or "-"),
+                ("acquired at", "-" if acquired is None else acquired.isoformat()),
+                ("expires at", lease.expire_at.isoformat()),
+                ("expires", seconds_text(lease)),
+            ]
+            width = max(len(label) for label, _ in fields)
+            for label, value in fields:
+                self.stdout.write(f"{label.ljust(width)}  {value}")
+        if key is not None:
+            self.stdout.write(f"advisory key  {key}")
+            for lk in advisory:
+                self.stdout.write(
+                    f"  {lk.state} {lk.mode} by pid {lk.pid} ({lk.application or 'no name'})"
+                )

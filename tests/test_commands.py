@@ -1,0 +1,277 @@
+"""``dlock_cleanup`` and the operator commands: dlock_list, dlock_show, dlock_release."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connections
+from django.utils import timezone
+
+import django_dlock as dlock
+from django_dlock import signals
+from django_dlock.keys import hash64
+from django_dlock.models import FenceFloor
+from django_dlock.models import Lock as LockRow
+
+from .helpers import in_thread
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, **options) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO(), **options)
+    return out.getvalue()
+
+
+def count(alias: str) -> int:
+    return LockRow.objects.using(alias).count()
+
+
+def bulk_rows(alias: str, expired: int, live: int) -> None:
+    """``expired`` free rows (ended an hour ago) and ``live`` held ones (an hour left)."""
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+                "SELECT 'lock:old-' || i, '', 'gone host pid=1', i, "
+                "statement_timestamp() - interval '2 hours', "
+                "statement_timestamp() - interval '1 hour' FROM generate_series(1, %s) AS i",
+                [expired],
+            )
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+                "SELECT 'lock:live-' || i, md5(i::text), 'live host pid=2', i, "
+                "statement_timestamp(), statement_timestamp() + interval '1 hour' "
+                "FROM generate_series(1, %s) AS i",
+                [live],
+            )
+        return
+    # Elsewhere: bulk_create with a day of margin either side of now.
+    now = timezone.now()
+    rows = [
+        LockRow(
+            name=f"lock:old-{i}",
+            token="",
+            owner="gone host pid=1",
+            fence=i,
+            acquired_at=now - dt.timedelta(days=2),
+            expire_at=now - dt.timedelta(days=1),
+        )
+        for i in range(1, expired + 1)
+    ] + [
+        LockRow(
+            name=f"lock:live-{i}",
+            token=f"t{i}",
+            owner="live host pid=2",
+            fence=i,
+            acquired_at=now,
+            expire_at=now + dt.timedelta(days=1),
+        )
+        for i in range(1, live + 1)
+    ]
+    LockRow.objects.using(alias).bulk_create(rows, batch_size=500)
+
+
+def live_names(alias: str) -> set[str]:
+    return set(
+        LockRow.objects.using(alias)
+        .filter(name__startswith="lock:live-")
+        .values_list("name", flat=True)
+    )
+
+
+@pytest.mark.slow
+def test_cleanup_200000_expired_rows_keeps_every_live_one_postgresql():
+    alias = "default"
+    bulk_rows(alias, expired=200_000, live=1_000)
+    assert count(alias) == 201_000
+
+    out = run("dlock_cleanup", "--dry-run", "--using", alias)
+    assert "would delete 200000" in out and "nothing was deleted" in out
+    assert count(alias) == 201_000
+
+    out = run("dlock_cleanup", "--using", alias)
+    assert "Deleted 200000 expired or released lease rows" in out
+    assert "in 20 batches" in out
+    assert count(alias) == 1_000
+    assert live_names(alias) == {f"lock:live-{i}" for i in range(1, 1_001)}
+
+
+@pytest.mark.parametrize("alias", ["sqlite", "mysql"], ids=["sqlite", "mariadb"])
+def test_cleanup_smaller_run(alias):
+    bulk_rows(alias, expired=3_000, live=100)
+    out = run("dlock_cleanup", "--dry-run", f"--using={alias}")
+    assert "would delete 3000" in out
+    assert count(alias) == 3_100
+
+    out = run("dlock_cleanup", "--batch-size", "1000", "--using", alias, verbosity=2)
+    assert out.count("batch ") == 3  # one progress line per batch
+    assert "Deleted 3000" in out and "in 3 batches" in out
+    assert count(alias) == 100
+    assert live_names(alias) == {f"lock:live-{i}" for i in range(1, 101)}
+    # the fencing history of the deleted rows survives in the floor
+    assert FenceFloor.objects.using(alias).get(pk=1).value >= 3_000
+
+
+def test_cleanup_never_deletes_a_held_lock_and_older_than(alias):
+    held = dlock.lock("kept", using=alias, ttl=60)
+    held.acquire()
+    try:
+        freed = dlock.lock("freed", using=alias)
+        freed.acquire()
+        freed.release()
+        out = run("dlock_cleanup", "--older-than", "3600", "--using", alias)
+        assert "Deleted 0" in out  # released just now: not old enough
+        out = run("dlock_cleanup", "--using", alias)
+        assert "Deleted 1 expired or released lease row " in out
+        assert list(LockRow.objects.using(alias).values_list("name", flat=True)) == ["lock:kept"]
+    finally:
+        held.release()
+
+
+def test_cleanup_progress_only_on_a_tty_by_default():
+    bulk_rows("default", expired=30, live=0)
+    out = run("dlock_cleanup", "--batch-size", "10")
+    assert "batch " not in out  # StringIO is not a TTY
+    assert "Deleted 30" in out and "in 3 batches" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "options", "message"),
+    [
+        (["--batch-size", "0"], {}, "--batch-size must be a whole number >= 1"),
+        (["--batch-size", "-5"], {}, "--batch-size must be a whole number >= 1"),
+        ([], {"batch_size": 0}, "--batch-size must be a whole number >= 1"),
+        (["--older-than", "-1"], {}, "--older-than must be seconds >= 0"),
+        (["--older-than", "nan"], {}, "--older-than must be seconds >= 0"),
+        (["--using", "nope"], {}, "unknown database alias 'nope'"),
+        (["--batch-size", "many"], {}, "invalid int value"),
+    ],
+)
+def test_cleanup_bad_arguments(args, options, message):
+    with pytest.raises(CommandError, match=message):
+        run("dlock_cleanup", *args, **options)
+
+
+def test_cleanup_bad_argument_exits_non_zero_from_the_command_line():
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    result = subprocess.run(
+        [sys.executable, "-m", "django", "dlock_cleanup", "--batch-size", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "--batch-size must be a whole number >= 1" in result.stderr
+
+
+# -- operator commands -------------------------------------------------------------
+
+
+def test_dlock_list_shows_held_leases(alias):
+    lk = dlock.lock("listed", using=alias)
+    lk.acquire()
+    gone = dlock.lock("gone", using=alias)
+    gone.acquire()
+    gone.release()
+    try:
+        out = run("dlock_list", "--using", alias)
+        assert "Held leases in" in out and "lock:listed" in out and "held" in out
+        assert "lock:gone" not in out
+        assert lk.token not in out and lk.token[:8] in out
+        out = run("dlock_list", "--all", "--using", alias)
+        assert "lock:gone" in out and "released" in out
+    finally:
+        lk.release()
+
+
+def test_dlock_list_and_show_advisory_locks_on_postgresql():
+    key = hash64("lock:adv-job")
+    other = connections["default"].copy()
+    try:
+        with other.cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(%s)", [key])
+            cur.execute("SELECT pg_backend_pid()")
+            pid = cur.fetchone()[0]
+        out = run("dlock_list")
+        assert "Advisory locks in 'default': 1" in out
+        assert str(key) in out and str(pid) in out and "ExclusiveLock" in out
+        out = run("dlock_show", "adv-job")
+        assert f"advisory key  {key}" in out
+        assert f"held ExclusiveLock by pid {pid}" in out
+    finally:
+        other.close()
+
+
+def test_dlock_show(alias):
+    lk = dlock.lock("shown", using=alias, ttl=120)
+    lk.acquire()
+    try:
+        out = run("dlock_show", "shown", "--using", alias)
+        assert "lock:shown" in out and "held" in out
+        assert f"fence        {lk.fence}" in out
+        assert lk.token not in out and lk.token[:8] in out
+        assert run("dlock_show", "lock:shown", "--using", alias) == out
+        with pytest.raises(CommandError, match="no lock named 'missing'"):
+            run("dlock_show", "missing", "--using", alias)
+    finally:
+        lk.release()
+
+
+def test_dlock_release_needs_yes_then_the_holder_sees_lock_lost(alias):
+    lk = dlock.lock("stuck", using=alias, ttl=300)
+    lk.acquire()
+    seen = []
+
+    def receiver(sender, **kwargs):
+        seen.append(kwargs)
+
+    signals.lock_force_released.connect(receiver)
+    try:
+        with pytest.raises(CommandError, match="refusing to force-release 'lock:stuck'"):
+            run("dlock_release", "stuck", "--using", alias)
+        assert lk.owned()
+        out = run("dlock_release", "stuck", "--yes", "--using", alias)
+        assert "Force-released lock:stuck" in out
+        assert not lk.locked()
+        # someone else can take it at once
+        assert in_thread(lambda: dlock.lock("stuck", using=alias).acquire(timeout=0)) is True
+        with pytest.raises(dlock.LockLost):
+            lk.release()
+    finally:
+        signals.lock_force_released.disconnect(receiver)
+    assert [s["name"] for s in seen] == ["lock:stuck"]
+    assert seen[0]["source"] == "command" and seen[0]["using"] == alias
+    assert seen[0]["fence"] is not None and seen[0]["user"] is None
+
+
+def test_dlock_release_of_a_free_or_missing_lock():
+    lk = dlock.lock("free")
+    lk.acquire()
+    lk.release()
+    assert "already released" in run("dlock_release", "free", "--yes")
+    with pytest.raises(CommandError, match="no lease named 'nothing'"):
+        run("dlock_release", "nothing", "--yes")
+
+
+def test_extend_after_force_release_sees_lock_lost():
+    lk = dlock.lock("renewing", ttl=300)
+    lk.acquire()
+    run("dlock_release", "renewing", "--yes")
+    with pytest.raises(dlock.LockLost):
+        lk.extend()
+    with pytest.raises(dlock.LockLost):
+        lk.release()
