@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Generator
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import IntegrityError, connections
+from django.db import IntegrityError, InterfaceError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock, notify
@@ -49,8 +50,21 @@ MAX_PARK = 2.0
 #: margin after a lease's end before a waiter looks again
 EXPIRY_MARGIN = 0.005
 
+#: longest pause between looks while the database is unreachable
+MAX_OUTAGE_PAUSE = 1.0
+
 # One step of the waiting plan: ("left" | "try" | "sleep", seconds to sleep)
 Step = tuple[str, float]
+
+logger = logging.getLogger("django_dlock")
+
+
+class Outage:
+    """A waiter's step failed because the database was unreachable."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
 
 TABLE = "django_dlock_lock"
 NOTIFY_CHANNEL = "django_dlock"
@@ -106,6 +120,21 @@ _MYSQL_INSERT = (
     "UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND)"
 )
 
+_PG_TAKE_OVER = f"""
+INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
+VALUES (%s, %s, %s, %s, statement_timestamp(),
+        statement_timestamp() + %s * interval '1 second')
+ON CONFLICT (name) DO UPDATE SET
+    token = EXCLUDED.token,
+    owner = EXCLUDED.owner,
+    fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence ELSE EXCLUDED.fence END,
+    acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
+                       ELSE EXCLUDED.acquired_at END,
+    expire_at = EXCLUDED.expire_at
+WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token OR l.token LIKE %s
+RETURNING fence
+"""
+
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
@@ -146,14 +175,12 @@ class LeaseStrategy:
             step = next(plan)
             while True:
                 kind, pause = step
-                if kind == "left":
-                    result: Any = self.seconds_left(req.alias, req.key)
-                elif kind == "try":
-                    result = self.try_acquire(req)
-                else:
+                if kind == "sleep":
                     waiter.thread_event.wait(pause)
                     waiter.clear()
-                    result = None
+                    result: Any = None
+                else:
+                    result = self._step(kind, req)
                 step = plan.send(result)
         except StopIteration as done:
             return None if done.value is None else Grant(done.value)
@@ -182,21 +209,31 @@ class LeaseStrategy:
             step = next(plan)
             while True:
                 kind, pause = step
-                if kind == "left":
-                    result: Any = await sync_to_async(self.seconds_left)(req.alias, req.key)
-                elif kind == "try":
-                    result = await sync_to_async(self.try_acquire)(req)
-                else:
+                if kind == "sleep":
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(waiter.async_event.wait(), pause)
                     waiter.clear()
-                    result = None
+                    result: Any = None
+                else:
+                    result = await sync_to_async(self._step)(kind, req)
                 step = plan.send(result)
         except StopIteration as done:
             return None if done.value is None else Grant(done.value)
         finally:
             if listen is not None:
                 listen.unregister(req.key.name, waiter)
+
+    def _step(self, kind: str, req: Request) -> Any:
+        """A waiter's look ("left") or try ("try"); an :class:`Outage` if the database is away."""
+        try:
+            if kind == "left":
+                return self.seconds_left(req.alias, req.key)
+            return self.try_acquire(req)
+        except (OperationalError, InterfaceError) as exc:
+            logger.warning(
+                "django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc
+            )
+            return Outage(exc)
 
     def _listener(self, alias: str) -> notify.Listener | None:
         if connections[alias].vendor != "postgresql":
@@ -212,15 +249,29 @@ class LeaseStrategy:
         is an acquisition tried. Between looks, park until a NOTIFY wakes us
         (PostgreSQL) or the retry interval passes (elsewhere), and never
         past the end of the current lease or of the deadline.
+
+        A waiter rides out an outage of the database (a restart, a dropped
+        connection): it backs off and looks again until its deadline, and
+        then raises the database's error rather than report a timeout.
         """
         attempt = 0
         while True:
-            left: float = yield ("left", 0.0)
-            if left <= 0:
-                fence: int | None = yield ("try", 0.0)
-                if fence is not None:
+            left: float | Outage = yield ("left", 0.0)
+            if not isinstance(left, Outage) and left <= 0:
+                fence: int | None | Outage = yield ("try", 0.0)
+                if isinstance(fence, Outage):
+                    left = fence
+                elif fence is not None:
                     return fence
-                left = 0.0
+                else:
+                    left = 0.0
+            if isinstance(left, Outage):
+                if deadline.expired():
+                    raise left.error
+                pause = min(MAX_OUTAGE_PAUSE, max(0.05, interval(policy, attempt)))
+                yield ("sleep", min(pause, deadline.remaining()))
+                attempt += 1
+                continue
             if deadline.expired():
                 return None
             if listen is not None and listen.healthy:
@@ -366,6 +417,28 @@ class LeaseStrategy:
 
         found, _ = with_reconnect(alias, run)
         return found
+
+    def take_over(self, req: Request, fence: int, over: str) -> int | None:
+        """PostgreSQL: acquire with the fencing number ``fence``, also over a live
+        lease whose token starts with ``over``.
+
+        For a caller that already proved by other means (an advisory lock)
+        that the holder of such a lease is gone: ``LeaderElection`` with the
+        advisory strategy records its leader here. ``fence`` must come from
+        ``nextval('django_dlock_fence')``. Returns the row's fence (the
+        caller's own lease keeps its number), or ``None`` if a live lease of
+        another kind holds the row.
+        """
+        connection = lock_connection(req.alias)
+        if connection.vendor != "postgresql":
+            raise StrategyNotSupported("take_over needs PostgreSQL")
+        pattern = over.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        row = fetch_one(
+            connection,
+            _PG_TAKE_OVER,
+            [req.key.name, req.token, req.owner, fence, req.ttl, pattern],
+        )
+        return None if row is None else int(row[0])
 
     def locked(self, alias: str, key: Key) -> bool:
         sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND expire_at > {{now}}"

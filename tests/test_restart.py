@@ -1,0 +1,79 @@
+"""PostgreSQL restarted while a lease is held and a waiter waits.
+
+Runs on a private cluster created by the test (never the shared service).
+Lease rows are durable, so the holder keeps its lease across the restart:
+its renewals and its own statements reconnect, the waiter keeps waiting
+(its LISTEN connection reconnects too) and gets the lock on release.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.core.management import call_command
+from django.db import connections
+
+import django_dlock as dlock
+from django_dlock import notify
+
+from .helpers import wait_until
+from .pgcluster import PrivateCluster
+
+ALIAS = "restartable"
+
+
+@pytest.fixture
+def cluster():
+    cluster = PrivateCluster().create()
+    cluster.create_database("dlock_restart")
+    connections.settings[ALIAS] = cluster.database_settings(
+        connections.settings["default"], "dlock_restart"
+    )
+    try:
+        call_command("migrate", database=ALIAS, verbosity=0)
+        yield cluster
+    finally:
+        listener = notify._listeners.pop(ALIAS, None)
+        if listener is not None:
+            listener.stop()
+        connections[ALIAS].close()
+        del connections[ALIAS]
+        del connections.settings[ALIAS]
+        cluster.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_restart_while_held_and_waited_for(cluster):
+    holder = dlock.lock("restart", using=ALIAS, ttl=2.0, renew=True)
+    holder.acquire()
+    renewer = holder._holdings()[0].renewer
+    result: dict[str, object] = {}
+
+    def waiter():
+        try:
+            lk = dlock.lock("restart", using=ALIAS, timeout=120)
+            result["acquired"] = lk.acquire()
+            result["fence"] = lk.fence
+            lk.release()
+        except BaseException as exc:
+            result["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_until(lambda: notify.listener(ALIAS).healthy, timeout=30)
+
+    cluster.restart()
+
+    before = renewer.renewals
+    wait_until(lambda: renewer.renewals >= before + 2, timeout=60)
+    assert not holder.lost and holder.owned()
+    assert thread.is_alive() and "acquired" not in result  # still waiting
+    fence = holder.fence
+    holder.release()
+    thread.join(120)
+    assert result.get("acquired") is True, result
+    assert result["fence"] > fence
