@@ -151,6 +151,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Deleting a held row by hand would lose its fencing history; free
         # rows go through "Delete all expired locks" (django_dlock.cleanup).
+        # Without it Django also drops its "delete selected" action.
         return False
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
@@ -282,11 +283,6 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "(all free rows, not only the selected ones; held locks are never deleted).",
             messages.SUCCESS,
         )
-
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
-        actions.pop("delete_selected", None)
-        return actions
 
     # -- advisory locks (PostgreSQL) ---------------------------------------------
 

@@ -165,7 +165,9 @@ def test_cleanup_bad_arguments(args, options, message):
 
 
 def test_cleanup_bad_argument_exits_non_zero_from_the_command_line():
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    # DLOCK_TEST_CHILD: the child uses the test databases (Django 6 model
+    # checks connect to every database before the command runs).
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "DLOCK_TEST_CHILD": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "django", "dlock_cleanup", "--batch-size", "0"],
         cwd=ROOT,
