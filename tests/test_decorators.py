@@ -368,3 +368,13 @@ def test_logging_debug_on_acquire_warning_on_contention(caplog):
     assert any(
         r.levelno == logging.WARNING and "lock:invoice:11" in r.getMessage() for r in records
     )
+
+
+def test_streaming_response_under_a_real_server_releases_after_sending(live_server):
+    PROBE.reset()
+    lk = dlock.lock("stream:6")
+    with urllib.request.urlopen(f"{live_server.url}/invoice/6/stream/", timeout=60) as response:
+        assert response.read() == b"one,two"
+    # the server closes the response after sending it: then the lock is free
+    wait_until(lambda: not lk.locked(), timeout=30)
+    assert PROBE.entered == 1
