@@ -10,6 +10,7 @@ from django.core.checks import CheckMessage, Error, Tags, register
 
 from django_dlock.conf import (
     DEFAULTS,
+    bool_error,
     retry_interval_error,
     strategy_error,
     timeout_error,
@@ -21,12 +22,13 @@ _SETTING_CHECKS: list[tuple[str, str, Callable[[object], str | None]]] = [
     ("dlock.E002", "DLOCK_DEFAULT_TTL", ttl_error),
     ("dlock.E003", "DLOCK_DEFAULT_TIMEOUT", timeout_error),
     ("dlock.E004", "DLOCK_RETRY_INTERVAL", retry_interval_error),
+    ("dlock.E005", "DLOCK_LEASE_SYNCHRONOUS_COMMIT", bool_error),
 ]
 
 
 @register(Tags.compatibility)
 def check_settings(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E001-E004: each ``DLOCK_*`` setting has a valid value."""
+    """dlock.E001-E005: each ``DLOCK_*`` setting has a valid value."""
     errors: list[CheckMessage] = []
     for check_id, name, validate in _SETTING_CHECKS:
         value = getattr(settings, name, DEFAULTS[name])

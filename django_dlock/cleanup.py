@@ -6,8 +6,8 @@ holds many row locks, and a batch never deletes a live lease: the
 row re-acquired between the batch's selection and its deletion is kept.
 
 * PostgreSQL: each batch is one ``DELETE`` addressed by ``ctid`` (no index
-  scan per row; see PERFORMANCE.md, lesson 5). Fencing numbers come from a
-  sequence, so deleting rows loses nothing.
+  scan per row; see PERFORMANCE.md, lesson 5) that also raises the
+  ``django_dlock_fence`` sequence above the highest number it deletes.
 * SQLite, MySQL/MariaDB: each batch is one short transaction that first
   raises ``FenceFloor`` to the highest fencing number it deletes, so a key
   acquired again later starts above every number issued before.
@@ -24,13 +24,24 @@ from django_dlock import dbclock
 TABLE = "django_dlock_lock"
 FLOOR = "django_dlock_fencefloor"
 
+# One batch: delete by ctid, re-checking expiry, and raise the fence
+# sequence above every number deleted (so fences stay increasing whatever
+# produced them: fast-durability clock-based numbers included).
 _PG_BATCH = f"""
-DELETE FROM {TABLE}
-WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM {TABLE}
-        WHERE expire_at <= statement_timestamp() - %s * interval '1 second'
-        LIMIT %s))
-  AND expire_at <= statement_timestamp() - %s * interval '1 second'
+WITH deleted AS (
+    DELETE FROM {TABLE}
+    WHERE ctid = ANY(ARRAY(
+            SELECT ctid FROM {TABLE}
+            WHERE expire_at <= statement_timestamp() - %s * interval '1 second'
+            LIMIT %s))
+      AND expire_at <= statement_timestamp() - %s * interval '1 second'
+    RETURNING fence
+), top AS (
+    SELECT count(*) AS n, max(fence) AS fence FROM deleted
+)
+SELECT n, CASE WHEN fence > (SELECT last_value FROM django_dlock_fence)
+               THEN setval('django_dlock_fence', fence) END
+FROM top
 """
 
 
@@ -57,7 +68,8 @@ def delete_batch(using: str, batch_size: int, older_than: float = 0.0) -> int:
     if connection.vendor == "postgresql":
         with connection.cursor() as cur:
             cur.execute(_PG_BATCH, [older_than, batch_size, older_than])
-            return int(cur.rowcount)
+            row = cur.fetchone()
+            return int(row[0]) if row else 0
     return _generic_batch(using, batch_size, older_than)
 
 

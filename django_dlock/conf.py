@@ -25,6 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_DEFAULT_TTL": 60.0,
     "DLOCK_DEFAULT_TIMEOUT": None,
     "DLOCK_RETRY_INTERVAL": 0.05,
+    "DLOCK_LEASE_SYNCHRONOUS_COMMIT": True,
 }
 
 
@@ -52,6 +53,11 @@ class Settings:
     def RETRY_INTERVAL(self) -> RetryInterval:  # noqa: N802
         value: RetryInterval = self._get("DLOCK_RETRY_INTERVAL")
         return value
+
+    @property
+    def LEASE_SYNCHRONOUS_COMMIT(self) -> bool:  # noqa: N802
+        """False: PostgreSQL lease writes skip the WAL flush wait (see strategies.lease)."""
+        return bool(self._get("DLOCK_LEASE_SYNCHRONOUS_COMMIT"))
 
 
 conf = Settings()
@@ -95,6 +101,13 @@ def retry_interval_error(value: object) -> str | None:
     assert isinstance(value, (int, float))
     if not math.isfinite(value) or value < 0:
         return f"retry_interval must be a finite number of seconds >= 0, got {value!r}"
+    return None
+
+
+def bool_error(value: object) -> str | None:
+    """Return why ``value`` is not a bool, or ``None``."""
+    if not isinstance(value, bool):
+        return f"must be True or False, not {type(value).__name__}"
     return None
 
 

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -35,7 +36,9 @@ def _free_port() -> int:
 
 
 class PrivateCluster:
-    def __init__(self) -> None:
+    def __init__(self, **settings: str) -> None:
+        #: extra server settings (``-c name=value``), e.g. wal_writer_delay
+        self.settings = settings
         self.bindir = _bindir()
         self.port = _free_port()
         self.root = Path(tempfile.mkdtemp(prefix="dlock-pg-"))
@@ -57,7 +60,8 @@ class PrivateCluster:
         return self
 
     def _pg_ctl(self, action: str) -> None:
-        opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c fsync=off"
+        opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root}"
+        opts += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         self._run(
             "pg_ctl",
             "-D",
@@ -78,15 +82,41 @@ class PrivateCluster:
     def restart(self) -> None:
         self._pg_ctl("restart")
 
+    def crash_and_restart(self) -> None:
+        """Stop like a crash (``-m immediate``: no checkpoint, no WAL flush), then start."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-m", "immediate", "stop")
+        self.start()
+
     def destroy(self) -> None:
         with contextlib.suppress(subprocess.CalledProcessError):
             self._pg_ctl("stop")
         shutil.rmtree(self.root, ignore_errors=True)
 
+    @contextlib.contextmanager
+    def attached(self, alias: str, name: str = "dlock_private") -> Iterator[None]:
+        """A migrated database on this cluster, as the Django alias ``alias``."""
+        from django.core.management import call_command
+        from django.db import connections
+
+        from django_dlock import notify
+
+        self.create_database(name)
+        connections.settings[alias] = self.database_settings(connections.settings["default"], name)
+        try:
+            call_command("migrate", database=alias, verbosity=0)
+            yield
+        finally:
+            listener = notify._listeners.pop(alias, None)
+            if listener is not None:
+                listener.stop()
+            connections[alias].close()
+            del connections[alias]
+            del connections.settings[alias]
+
     def database_settings(self, template: dict, name: str) -> dict:
         settings = dict(template)
         settings.update(HOST="127.0.0.1", PORT=str(self.port), USER="postgres", NAME=name)
-        settings["TEST"] = {"NAME": name}
+        settings["TEST"] = {**template.get("TEST", {}), "NAME": name}
         return settings
 
     def create_database(self, name: str) -> None:

@@ -24,6 +24,7 @@ def test_defaults_pass():
         ("DLOCK_DEFAULT_TIMEOUT", -1, "dlock.E003"),
         ("DLOCK_RETRY_INTERVAL", float("inf"), "dlock.E004"),
         ("DLOCK_RETRY_INTERVAL", "fast", "dlock.E004"),
+        ("DLOCK_LEASE_SYNCHRONOUS_COMMIT", "off", "dlock.E005"),
     ],
 )
 def test_each_bad_setting_has_its_check(setting, value, check_id):

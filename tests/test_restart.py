@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.core.management import call_command
 from django.db import connections
 
 import django_dlock as dlock
@@ -25,21 +24,11 @@ ALIAS = "restartable"
 
 @pytest.fixture
 def cluster():
-    cluster = PrivateCluster().create()
-    cluster.create_database("dlock_restart")
-    connections.settings[ALIAS] = cluster.database_settings(
-        connections.settings["default"], "dlock_restart"
-    )
+    cluster = PrivateCluster(fsync="off").create()
     try:
-        call_command("migrate", database=ALIAS, verbosity=0)
-        yield cluster
+        with cluster.attached(ALIAS):
+            yield cluster
     finally:
-        listener = notify._listeners.pop(ALIAS, None)
-        if listener is not None:
-            listener.stop()
-        connections[ALIAS].close()
-        del connections[ALIAS]
-        del connections.settings[ALIAS]
         cluster.destroy()
 
 

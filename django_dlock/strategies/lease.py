@@ -13,8 +13,20 @@ holder's token and judges the lease on the database clock:
 * **extend** moves ``expire_at`` only if the token matches.
 
 Fencing numbers: on PostgreSQL every acquisition by a new holder takes
-``nextval('django_dlock_fence')``: strictly greater than every number issued
-before, for any key. On SQLite and MySQL/MariaDB a key's number is its row's
+``nextval('django_dlock_fence')`` (and at least the row's number + 1):
+strictly greater than every number issued before for that key.
+``dlock_cleanup`` raises the sequence above every number it deletes.
+
+Durability (PostgreSQL): by default each lease write waits for its WAL
+flush, like any commit. With ``DLOCK_LEASE_SYNCHRONOUS_COMMIT = False`` lease
+writes commit with ``synchronous_commit = off`` (set for the statement's own
+transaction, in the same statement): about twice as fast, but a crash of the
+*database server* can lose the last fraction of a second of lease writes, so
+a lock acquired just before the crash can be free again after it (its holder
+learns it on its next renew, extend or release: ``LockLost``). Fencing
+numbers then also follow the database clock (microseconds since the epoch),
+so they keep increasing across such a crash, as long as the database
+server's clock is not set back. On SQLite and MySQL/MariaDB a key's number is its row's
 number + 1, and a new row starts above ``FenceFloor.value``, which
 ``dlock_cleanup`` raises to the highest number it deletes.
 """
@@ -32,7 +44,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock, notify
-from django_dlock.conf import RetryInterval
+from django_dlock.conf import RetryInterval, conf
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
@@ -69,21 +81,37 @@ class Outage:
 TABLE = "django_dlock_lock"
 NOTIFY_CHANNEL = "django_dlock"
 
+# PostgreSQL acquire, with {new_fence} and {returning} filled per durability.
 _PG_ACQUIRE = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
-VALUES (%s, %s, %s, nextval('django_dlock_fence'), statement_timestamp(),
+VALUES (%s, %s, %s, {{new_fence}}, statement_timestamp(),
         statement_timestamp() + %s * interval '1 second')
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
     fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence
-                 ELSE nextval('django_dlock_fence') END,
+                 ELSE GREATEST(EXCLUDED.fence, l.fence + 1) END,
     acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
                        ELSE EXCLUDED.acquired_at END,
     expire_at = EXCLUDED.expire_at
 WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token
-RETURNING fence
+RETURNING fence{{returning}}
 """
+# Fast durability (DLOCK_LEASE_SYNCHRONOUS_COMMIT = False): the statement's
+# own transaction commits without waiting for the WAL flush, and fencing
+# numbers also follow the database clock, which a crash cannot roll back.
+_FAST_COMMIT = ", set_config('synchronous_commit', 'off', true)"
+_FENCE = {
+    True: "nextval('django_dlock_fence')",
+    False: "GREATEST(nextval('django_dlock_fence'), "
+    "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint)",
+}
+_PG_ACQUIRE_SQL = {
+    durable: _PG_ACQUIRE.format(
+        new_fence=_FENCE[durable], returning="" if durable else _FAST_COMMIT
+    )
+    for durable in (True, False)
+}
 
 _SQLITE_ACQUIRE = f"""
 INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at)
@@ -139,10 +167,14 @@ _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE name = %s AND token = %s
-    RETURNING name
+    RETURNING name{{returning}}
 )
 SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
 """
+_PG_RELEASE_SQL = {
+    durable: _PG_RELEASE.format(returning="" if durable else _FAST_COMMIT)
+    for durable in (True, False)
+}
 
 
 class LeaseStrategy:
@@ -293,7 +325,10 @@ class LeaseStrategy:
         vendor = dbclock.vendor(connection)
         if vendor == "mysql":
             return self._mysql_acquire(connection, req)
-        sql = _PG_ACQUIRE if vendor == "postgresql" else _SQLITE_ACQUIRE
+        if vendor == "postgresql":
+            sql = _PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+        else:
+            sql = _SQLITE_ACQUIRE
         row = fetch_one(connection, sql, [req.key.name, req.token, req.owner, req.ttl])
         return None if row is None else int(row[0])
 
@@ -354,7 +389,8 @@ class LeaseStrategy:
 
     def _release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
         if connection.vendor == "postgresql":
-            return fetch_one(connection, _PG_RELEASE, [req.key.name, req.token]) is not None
+            sql = _PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+            return fetch_one(connection, sql, [req.key.name, req.token]) is not None
         now = dbclock.now_sql(connection)
         with cursor(connection) as cur:
             cur.execute(
@@ -371,9 +407,12 @@ class LeaseStrategy:
 
     def _extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
         now_plus = dbclock.now_plus_sql(connection)
+        fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
+        returning = f" RETURNING 1{_FAST_COMMIT}" if fast else ""
         with cursor(connection) as cur:
             cur.execute(
-                f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE name = %s AND token = %s",
+                f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE name = %s AND token = %s"
+                + returning,
                 [ttl, req.key.name, req.token],
             )
             return bool(cur.rowcount)
