@@ -196,8 +196,12 @@ class Leadership:
 class _Backend(Protocol):
     """What the election asks of the database. Runs in the election's I/O thread."""
 
-    def acquire(self, req: Request) -> int | None:
-        """Become (or stay) the leader: the term if acquired, else ``None``."""
+    def acquire(self, req: Request, wait: float) -> int | None:
+        """Become the leader: the term if acquired, else ``None``.
+
+        A backend that can wait for the leadership efficiently waits up to
+        ``wait`` seconds; others try once.
+        """
 
     def renew(self, req: Request) -> bool:
         """Renew the leadership; ``False`` if it is no longer ours."""
@@ -240,7 +244,7 @@ class _LeaseBackend:
 
         self.lease = lease
 
-    def acquire(self, req: Request) -> int | None:
+    def acquire(self, req: Request, wait: float) -> int | None:
         return self.lease.try_acquire(req)
 
     def renew(self, req: Request) -> bool:
@@ -257,17 +261,80 @@ class _LeaseBackend:
         return None
 
 
-def _backend(strategy: str) -> _Backend:
-    if strategy == "advisory":
-        return _advisory_backend()
-    return _LeaseBackend()
+#: tokens of advisory candidates start with this: their lease rows can be
+#: taken over by whoever holds the election's advisory lock
+ADVISORY_TOKEN = "adv:"
 
 
-def _advisory_backend() -> _Backend:
-    from django_dlock.strategies import get_strategy
+class _SessionWatch:
+    """Stands in the I/O thread's holdings so that the advisory session
+    watcher (:mod:`django_dlock.sessions`) can report the end of the session."""
 
-    get_strategy("advisory")  # StrategyNotSupported while it is not available
-    raise StrategyNotSupported("the advisory strategy is not available for LeaderElection yet")
+    def __init__(self, on_lost: Callable[[str], None]) -> None:
+        self.on_lost = on_lost
+
+    def mark_lost(self, reason: str) -> None:
+        self.on_lost(reason)
+
+
+class _AdvisoryBackend:
+    """Leadership is the election's session-level advisory lock (PostgreSQL).
+
+    The lock is the source of truth: it ends with the leader's session, so
+    a killed leader is replaced at once, and standbys wait for it in
+    PostgreSQL's lock queue (no polling). The lease row ``leader:<name>``
+    records the leader and its term for :meth:`LeaderElection.leader` and
+    the admin; whoever holds the advisory lock takes the row over.
+    """
+
+    def __init__(self, on_lost: Callable[[str], None]) -> None:
+        from django_dlock.strategies import get_strategy
+        from django_dlock.strategies.lease import lease
+
+        self.advisory = get_strategy("advisory")
+        self.lease = lease
+        self.on_lost = on_lost
+
+    def acquire(self, req: Request, wait: float) -> int | None:
+        from django_dlock.identity import current_holder
+        from django_dlock.retry import Deadline
+
+        if self.advisory.acquire(req, Deadline(wait), 0.05) is None:
+            return None
+        try:
+            term = self.lease.take_over(req, ADVISORY_TOKEN)
+        except BaseException:
+            self.advisory.release(req)
+            raise
+        if term is None:
+            self.advisory.release(req)
+            logger.error(
+                "django-dlock: %s: the lease row is held by a candidate of the lease "
+                "strategy; every candidate of one election must use the same strategy",
+                req.key.name,
+            )
+            return None
+        key = (req.alias, self.advisory.family, req.key.name)
+        current_holder().holdings[key] = _SessionWatch(self.on_lost)
+        return term
+
+    def renew(self, req: Request) -> bool:
+        return self.advisory.owned(req) and self.lease.extend(req, req.ttl)
+
+    def release(self, req: Request) -> bool:
+        from django_dlock.identity import current_holder
+
+        current_holder().holdings.pop((req.alias, self.advisory.family, req.key.name), None)
+        # The lock first: a standby woken by the row's NOTIFY must find it free.
+        unlocked = self.advisory.release(req)
+        released = self.lease.release(req)
+        return unlocked and released
+
+    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
+        return _read_record(req.alias, req.key, lease), 0.0
+
+    def close(self) -> None:
+        return None
 
 
 class _IOThread:
@@ -452,7 +519,12 @@ class LeaderElection:
                 "the advisory strategy needs PostgreSQL; database "
                 f"{self.alias!r} is {connections[self.alias].vendor}"
             )
-        self._backend: _Backend = _backend(strategy)
+        self._backend: _Backend
+        if strategy == "advisory":
+            self._backend = _AdvisoryBackend(self._session_lost)
+        else:
+            self._backend = _LeaseBackend()
+        self._lost_session: str | None = None
 
         self._mutex = threading.Lock()
         self._changed = threading.Condition(self._mutex)
@@ -786,8 +858,14 @@ class LeaderElection:
         if self._dispatcher is not None:
             self._dispatcher.post(func)
 
+    def _session_lost(self, reason: str) -> None:
+        # From the advisory session watcher's thread: the leader's session ended.
+        self._lost_session = reason
+        self._wake.wake()
+
     def _new_request(self) -> Request:
-        token = f"{worker().bits}-{secrets.token_hex(8)}"
+        prefix = ADVISORY_TOKEN if self.strategy == "advisory" else ""
+        token = f"{prefix}{worker().bits}-{secrets.token_hex(8)}"
         return Request(
             key=self.key, alias=self.alias, token=token, owner=self.identity, ttl=self.lease
         )
@@ -838,6 +916,9 @@ class LeaderElection:
                 return
             if stop:
                 held._end("stepping down")  # tell the target; keep renewing meanwhile
+            if self._lost_session is not None:
+                self._lose(f"the advisory lock's session ended: {self._lost_session}")
+                continue
             if time.monotonic() >= self._valid_until:
                 self._lose("the renew deadline passed before a renewal could start")
                 continue
@@ -882,11 +963,13 @@ class LeaderElection:
         """One attempt to lead; returns how long to wait before the next step."""
         assert self._req is not None
         started = time.monotonic()
+        wait = self._jittered()
+        self._lost_session = None
         ok, result = self._call(
-            self._backend.acquire, self._req, until=started + self.renew_deadline
+            self._backend.acquire, self._req, wait, until=started + self.renew_deadline
         )
         if not ok:
-            logger.warning("django-dlock: %s: campaign attempt failed: %s", self.key.name, result)
+            logger.warning("django-dlock: %s: campaign attempt failed: %r", self.key.name, result)
             return self._jittered()
         if result is not None:
             assert isinstance(result, int)
@@ -898,7 +981,8 @@ class LeaderElection:
         ok, seen = self._call(
             self._backend.observe, self._req, self.lease, until=time.monotonic() + self.retry
         )
-        pause = self._jittered()
+        # A backend that waited for the leadership already spent the pause.
+        pause = max(0.0, wait - (time.monotonic() - started))
         if ok:
             assert isinstance(seen, tuple)
             record, left = seen
@@ -921,7 +1005,12 @@ class LeaderElection:
                 self._valid_until = started + self.renew_deadline
             return self.retry
         if ok:
-            self._lose("the lease was taken over or force-released")
+            self._lose(
+                "the advisory lock or the lease was lost (session ended, taken over or "
+                "force-released)"
+                if self.strategy == "advisory"
+                else "the lease was taken over or force-released"
+            )
             return 0.0
         if time.monotonic() >= deadline or isinstance(result, TimeoutError):
             self._lose(

@@ -399,3 +399,66 @@ async def wait_async(predicate, timeout: float = 15.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached within the bound")
         await asyncio.sleep(0.02)
+
+
+# -- the advisory strategy (PostgreSQL) --------------------------------------------------------
+
+ADVISORY = {"strategy": "advisory", "lease": 10.0, "renew_deadline": 5.0, "retry": 0.4}
+
+
+@pytest.fixture
+def advisory_sessions():
+    yield
+    from django_dlock import sessions
+
+    sessions.close_all()
+
+
+@pytest.mark.usefixtures("advisory_sessions")
+def test_advisory_one_leader_record_and_graceful_handover(pg):
+    events: list = []
+    a = election(pg, events=events, identity="A", **ADVISORY)
+    b = election(pg, events=events, identity="B", **ADVISORY)
+    with a:
+        wait_until(lambda: a.is_leader)
+        b.start()
+        wait_until(lambda: ("B", "new", "A") in events)
+        record = b.leader()
+        assert (record.identity, record.term) == ("A", a.term)
+        assert row(pg, "leader:sched")[0].startswith("adv:")
+        first = a.term
+    wait_until(lambda: b.is_leader, ADVISORY["retry"] + 5)
+    assert b.term > first and b.leader().identity == "B"
+    b.stop()
+    assert b.leader() is None
+    assert not dlock.lock("sched", strategy="advisory", using=pg).locked()
+
+
+@pytest.mark.usefixtures("advisory_sessions")
+def test_advisory_leader_whose_session_ends_stops_and_a_standby_leads_at_once(pg):
+    from django_dlock import sessions
+
+    a = election(pg, identity="A", **ADVISORY)
+    b = election(pg, identity="B", **ADVISORY)
+    with a, b:
+        wait_until(lambda: a.is_leader or b.is_leader)
+        leader, standby = (a, b) if a.is_leader else (b, a)
+        first = leader.term
+        (session,) = [s for s in sessions.holding_sessions() if "leader:sched" in s.held]
+        with connections[pg].cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s)", [session.backend_pid])
+        # well within the 10 s lease: the advisory lock went with the session
+        wait_until(lambda: not leader.is_leader and standby.is_leader, 5)
+        assert standby.term > first
+        assert leader.stopped_reason.startswith("lost: ")
+
+
+@pytest.mark.usefixtures("advisory_sessions")
+def test_mixed_strategies_never_make_two_leaders(pg, caplog):
+    lease_side = election(pg, identity="lease-side")
+    advisory_side = election(pg, identity="advisory-side", **ADVISORY)
+    with lease_side:
+        wait_until(lambda: lease_side.is_leader)
+        with caplog.at_level("ERROR", logger="django_dlock"), advisory_side:
+            wait_until(lambda: "must use the same strategy" in caplog.text)
+            assert lease_side.is_leader and not advisory_side.is_leader
