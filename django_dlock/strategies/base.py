@@ -145,7 +145,59 @@ def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[
     return op(lock_connection(alias)), True
 
 
-def fetch_one(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Any:
+def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tuple[Any, int]:
+    """Run one statement; return ``(its first row or None, its row count)``.
+
+    On PostgreSQL the statement runs as a server-side prepared statement on
+    Django's own psycopg connection: the server parses and plans each lock
+    statement once per session instead of at every call (about a quarter of
+    an uncontended acquire + release; see the benchmarks). It falls back to
+    Django's cursor when queries are being logged (``DEBUG``), and when
+    ``DISABLE_SERVER_SIDE_CURSORS`` is set, Django's flag for PgBouncer in
+    transaction mode, where prepared statements are not safe.
+    """
+    if (
+        connection.vendor == "postgresql"
+        and not connection.queries_logged
+        and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
+    ):
+        return _execute_prepared(connection, sql, params)
     with cursor(connection) as cur:
         cur.execute(sql, params)
-        return cur.fetchone()
+        return (cur.fetchone() if cur.description else None), cur.rowcount
+
+
+#: a preparation threshold no query reaches by repetition alone
+_NEVER_AUTOMATICALLY = 2**31
+
+
+def _execute_prepared(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any]
+) -> tuple[Any, int]:
+    import psycopg
+
+    try:
+        connection.ensure_connection()
+        raw = connection.connection
+        # Django turns psycopg's automatic preparation off (threshold None),
+        # which also disables prepare=True. Lift it for our statement only:
+        # the connection's other queries stay unprepared.
+        saved = raw.prepare_threshold
+        if saved is None:
+            raw.prepare_threshold = _NEVER_AUTOMATICALLY
+        try:
+            with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
+                cur.execute(sql, params, prepare=True)
+                return (cur.fetchone() if cur.description else None), cur.rowcount
+        finally:
+            if saved is None:
+                raw.prepare_threshold = None
+    except DatabaseError:
+        if not connection.in_atomic_block and not _usable(connection):
+            connection.close()
+        raise
+
+
+def fetch_one(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Any:
+    """The first row of ``sql`` (or ``None``), see :func:`execute`."""
+    return execute(connection, sql, params)[0]

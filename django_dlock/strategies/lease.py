@@ -52,6 +52,7 @@ from django_dlock.strategies.base import (
     Grant,
     Request,
     cursor,
+    execute,
     fetch_one,
     lock_connection,
     with_reconnect,
@@ -150,12 +151,13 @@ _MYSQL_INSERT = (
 
 _PG_TAKE_OVER = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
-VALUES (%s, %s, %s, %s, statement_timestamp(),
+VALUES (%s, %s, %s, nextval('django_dlock_fence'), statement_timestamp(),
         statement_timestamp() + %s * interval '1 second')
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
-    fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence ELSE EXCLUDED.fence END,
+    fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence
+                 ELSE nextval('django_dlock_fence') END,
     acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
                        ELSE EXCLUDED.acquired_at END,
     expire_at = EXCLUDED.expire_at
@@ -392,12 +394,8 @@ class LeaseStrategy:
             sql = _PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
             return fetch_one(connection, sql, [req.key.name, req.token]) is not None
         now = dbclock.now_sql(connection)
-        with cursor(connection) as cur:
-            cur.execute(
-                f"UPDATE {TABLE} SET token = '', expire_at = {now} WHERE name = %s AND token = %s",
-                [req.key.name, req.token],
-            )
-            return bool(cur.rowcount)
+        sql = f"UPDATE {TABLE} SET token = '', expire_at = {now} WHERE name = %s AND token = %s"
+        return bool(execute(connection, sql, [req.key.name, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
         extended, _ = with_reconnect(
@@ -409,13 +407,8 @@ class LeaseStrategy:
         now_plus = dbclock.now_plus_sql(connection)
         fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
         returning = f" RETURNING 1{_FAST_COMMIT}" if fast else ""
-        with cursor(connection) as cur:
-            cur.execute(
-                f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE name = %s AND token = %s"
-                + returning,
-                [ttl, req.key.name, req.token],
-            )
-            return bool(cur.rowcount)
+        sql = f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE name = %s AND token = %s"
+        return bool(execute(connection, sql + returning, [ttl, req.key.name, req.token])[1])
 
     def release_after(self, req: Request, min_hold: float) -> bool:
         """Release, but keep the lease until ``acquired_at + min_hold`` (database time).
@@ -457,16 +450,14 @@ class LeaseStrategy:
         found, _ = with_reconnect(alias, run)
         return found
 
-    def take_over(self, req: Request, fence: int, over: str) -> int | None:
-        """PostgreSQL: acquire with the fencing number ``fence``, also over a live
-        lease whose token starts with ``over``.
+    def take_over(self, req: Request, over: str) -> int | None:
+        """PostgreSQL: acquire like :meth:`try_acquire`, also over a live lease
+        whose token starts with ``over``.
 
         For a caller that already proved by other means (an advisory lock)
         that the holder of such a lease is gone: ``LeaderElection`` with the
-        advisory strategy records its leader here. ``fence`` must come from
-        ``nextval('django_dlock_fence')``. Returns the row's fence (the
-        caller's own lease keeps its number), or ``None`` if a live lease of
-        another kind holds the row.
+        advisory strategy records its leader here. Returns the fencing
+        number, or ``None`` if a live lease of another kind holds the row.
         """
         connection = lock_connection(req.alias)
         if connection.vendor != "postgresql":
@@ -475,7 +466,7 @@ class LeaseStrategy:
         row = fetch_one(
             connection,
             _PG_TAKE_OVER,
-            [req.key.name, req.token, req.owner, fence, req.ttl, pattern],
+            [req.key.name, req.token, req.owner, req.ttl, pattern],
         )
         return None if row is None else int(row[0])
 
