@@ -24,18 +24,22 @@ __version__ = "0.1.0"
 __all__ = [
     "DLockError",
     "InvalidLockKey",
+    "LeaderElection",
     "Lock",
     "LockLost",
     "LockNotOwned",
     "LockReentrantError",
     "LockTimeout",
     "StrategyNotSupported",
+    "TaskLock",
     "__version__",
     "lock",
 ]
 
 if TYPE_CHECKING:
+    from django_dlock.leader import LeaderElection
     from django_dlock.locks import Lock, lock
+    from django_dlock.tasklock import TaskLock
 
 
 def __getattr__(name: str) -> Any:
@@ -46,4 +50,15 @@ def __getattr__(name: str) -> Any:
         from django_dlock import locks
 
         return getattr(locks, name)
+    if name == "TaskLock":
+        from django_dlock.tasklock import TaskLock
+
+        return TaskLock
+    if name == "LeaderElection":
+        from django_dlock.leader import LeaderElection
+
+        return LeaderElection
+    if name == "lock_and_atomic":
+    
+        return lock_and_atomic
     raise AttributeError(f"module 'django_dlock' has no attribute {name!r}")

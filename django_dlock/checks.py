@@ -42,3 +42,23 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return errors
+
+
+@register(Tags.compatibility)
+def check_middleware_rules(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E020-E027, W020-W022: ``DLOCK_MIDDLEWARE_RULES`` and LockMiddleware's place."""
+    from django_dlock.middleware import check_rules
+
+    return check_rules()
+
+
+@register(Tags.compatibility)
+def check_worker_jobs(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E030-E033: ``DLOCK_WORKER_JOBS`` (jobs of ``manage.py runworker``)."""
+    from django_dlock.jobs import setting_problems
+
+    hint = 'Each entry is "dotted.path" or {"job": "dotted.path", "interval": seconds}.'
+    return [
+        Error(f"DLOCK_WORKER_JOBS is invalid: {problem}.", hint=hint, id=check_id)
+        for check_id, problem in setting_problems(getattr(settings, "DLOCK_WORKER_JOBS", []))
+    ]

@@ -26,6 +26,8 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_DEFAULT_TIMEOUT": None,
     "DLOCK_RETRY_INTERVAL": 0.05,
     "DLOCK_LEASE_SYNCHRONOUS_COMMIT": True,
+    "DLOCK_MIDDLEWARE_RULES": [],
+    "DLOCK_WORKER_JOBS": [],
 }
 
 
@@ -58,6 +60,16 @@ class Settings:
     def LEASE_SYNCHRONOUS_COMMIT(self) -> bool:  # noqa: N802
         """False: PostgreSQL lease writes skip the WAL flush wait (see strategies.lease)."""
         return bool(self._get("DLOCK_LEASE_SYNCHRONOUS_COMMIT"))
+
+    @property
+    def MIDDLEWARE_RULES(self) -> object:  # noqa: N802
+        """Rules of ``LockMiddleware`` (validated by dlock.E020-E027)."""
+        return self._get("DLOCK_MIDDLEWARE_RULES")
+
+    @property
+    def WORKER_JOBS(self) -> object:  # noqa: N802
+        """Jobs of ``manage.py runworker`` (validated by dlock.E030-E033)."""
+        return self._get("DLOCK_WORKER_JOBS")
 
 
 conf = Settings()

@@ -6,6 +6,9 @@ primitive's class and these keyword arguments:
 * ``lock_lost``: ``name``, ``strategy``, ``reason``
 * ``lock_skipped``: ``name``, ``reason`` (a TaskLock or ``on_fail="skip"`` skipped a run)
 * ``leader_changed``: ``name``, ``leader``, ``term``
+* ``lock_force_released``: ``name``, ``owner`` (the holder it was taken from),
+  ``fence``, ``using``, ``user`` (or ``None``), ``source`` (``"admin"`` or
+  ``"command"``); sender is the ``Lock`` model
 """
 
 from __future__ import annotations
@@ -17,3 +20,4 @@ lock_released = Signal()
 lock_lost = Signal()
 lock_skipped = Signal()
 leader_changed = Signal()
+lock_force_released = Signal()
