@@ -45,6 +45,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_dlock.middleware.LockMiddleware",
 ]
 
 ROOT_URLCONF = "testproject.urls"
@@ -76,6 +77,18 @@ STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DLOCK_DEFAULT_STRATEGY = env("DLOCK_DEFAULT_STRATEGY")
+
+# One checkout at a time per user (or anonymous session): a double-submitted
+# form gets 423 Locked instead of a second order.
+DLOCK_MIDDLEWARE_RULES = [
+    {"path": r"^/checkout/$", "methods": ["POST"], "key": "checkout:{user}", "name": "checkout"},
+]
+
+# manage.py runworker: jobs that run on the elected leader only.
+DLOCK_WORKER_JOBS = [
+    {"job": "testproject.demo.jobs.heartbeat", "interval": 10},
+    {"job": "django_dlock.jobs.cleanup", "interval": 3600},
+]
 
 LOGGING = {
     "version": 1,
