@@ -1,0 +1,60 @@
+"""``lock_and_atomic``: a lock and a transaction, so the write commits before the lock goes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import transaction
+
+from django_dlock.locks import Lock
+from django_dlock.strategies import get_strategy
+
+
+@contextmanager
+def lock_and_atomic(
+    key: Any,
+    *,
+    using: str | None = None,
+    savepoint: bool = True,
+    durable: bool = False,
+    **options: Any,
+) -> Iterator[Lock]:
+    """Hold a lock around a ``transaction.atomic`` block, released after the commit.
+
+    Whatever the block writes is committed (or rolled back) *before* the
+    lock can pass to someone else, so the next holder always sees it::
+
+        with dlock.lock_and_atomic(("invoice", invoice.pk), strategy="advisory_xact"):
+            invoice.refresh_from_db()
+            invoice.paid = True
+            invoice.save()
+
+    With a transaction-scoped strategy (``advisory_xact``, ``row``) the lock
+    is taken inside the transaction and the database releases it at commit
+    or rollback. With ``lease`` or ``advisory`` the lock is taken first, the
+    transaction runs inside it, and the lock is released once it has
+    committed. Also a decorator (``@lock_and_atomic("key")``).
+
+    Args:
+        key: the lock's key (see :class:`~django_dlock.locks.Lock`).
+        using: the database alias of the lock *and* of the transaction.
+        savepoint: passed to ``transaction.atomic``.
+        durable: passed to ``transaction.atomic``.
+        **options: the other arguments of :class:`~django_dlock.locks.Lock`
+            (``strategy``, ``timeout``, ``ttl``, ``shared`` ...).
+
+    Raises:
+        LockTimeout: the lock could not be acquired within the timeout
+            (nothing was written).
+    """
+    lk = Lock(key, using=using, **options)
+    alias = lk.alias
+    atomic = transaction.atomic(using=alias, savepoint=savepoint, durable=durable)
+    if getattr(get_strategy(lk.strategy_name), "transaction_scoped", False):
+        with atomic, lk:
+            yield lk
+    else:
+        with lk, atomic:
+            yield lk
