@@ -1,0 +1,312 @@
+"""The ``row`` strategy: a row lock on the key's row of the ``Lock`` table.
+
+``SELECT … FOR UPDATE`` on the row named after the key, in the caller's
+transaction (PostgreSQL, MySQL 8 / MariaDB 10.6+; refused on SQLite). The
+lock is held until the transaction ends; see :mod:`.xact` for what
+transaction-scoped locks share (``transaction.atomic`` required,
+``release()`` refused, holdings end with the transaction, waits in a
+savepoint).
+
+* **Try** is one statement that locks the row if no one else has it
+  (``FOR UPDATE SKIP LOCKED``, which raises no error, so the caller's
+  transaction needs no savepoint) and says whether the row exists::
+
+      WITH l AS MATERIALIZED (SELECT id FROM django_dlock_lock
+                              WHERE name = %s FOR UPDATE SKIP LOCKED)
+      SELECT (SELECT nextval('django_dlock_fence') FROM l),
+             EXISTS (SELECT 1 FROM django_dlock_lock WHERE name = %s)
+
+* **A missing row** is inserted as a *free* lease row (empty token,
+  ``expire_at`` = now, so the ``lease`` strategy and ``dlock_cleanup`` see it
+  free) on a separate autocommit connection, so that it is committed and
+  visible to everyone at once, then the try is repeated. Under REPEATABLE
+  READ or SERIALIZABLE (the Django setting ``OPTIONS["isolation_level"]``),
+  where a row committed after the transaction's snapshot stays invisible,
+  the row is created before the first look.
+* **Waiting**: PostgreSQL waits in ``FOR UPDATE`` with ``lock_timeout`` set
+  for the statement (one statement sets it, waits, takes the fence and
+  restores it); MySQL/MariaDB set ``innodb_lock_wait_timeout`` (whole
+  seconds) around the ``FOR UPDATE`` and poll with ``SKIP LOCKED`` and the
+  retry interval for the last fraction of a second. Both wait inside a
+  savepoint, so a timeout leaves the caller's transaction usable.
+* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, taken in the
+  same statement once the row is locked. On MySQL/MariaDB a row lock has no
+  fencing number (``fence`` is ``None``): a number stored in the row would
+  be rolled back with the caller's transaction and issued twice.
+
+The row strategy and the ``lease`` strategy use the same rows but do not
+exclude each other: pick one strategy per key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.db import DatabaseError, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import DLockError, StrategyNotSupported
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline, interval
+from django_dlock.strategies.base import Grant, Request, cursor, lock_connection
+from django_dlock.strategies.xact import (
+    MAX_LOCK_TIMEOUT_MS,
+    TransactionScoped,
+    lock_timeout_ms,
+    sqlstate,
+)
+
+TABLE = "django_dlock_lock"
+
+_PG_TRY = f"""
+WITH l AS MATERIALIZED (SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
+SELECT (SELECT nextval('django_dlock_fence') FROM l),
+       EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)
+"""
+
+# Sets lock_timeout for the transaction, waits for the row lock, takes the
+# fence and restores lock_timeout, in this order (the CTEs fix it).
+_PG_WAIT = f"""
+WITH t AS MATERIALIZED (SELECT current_setting('lock_timeout') AS prev,
+                               set_config('lock_timeout', %s, true) AS cur),
+     l AS MATERIALIZED (SELECT r.id FROM {TABLE} r, t WHERE r.name = %s FOR UPDATE OF r)
+SELECT CASE WHEN l.id IS NOT NULL THEN nextval('django_dlock_fence') END,
+       l.id IS NOT NULL,
+       set_config('lock_timeout', t.prev, true)
+FROM t LEFT JOIN l ON true
+"""
+
+_PG_CREATE = (
+    f"INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
+    "VALUES (%s, '', '', 0, NULL, statement_timestamp()) ON CONFLICT (name) DO NOTHING"
+)
+
+_MYSQL_TRY = (
+    f"SELECT (SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED), "
+    f"EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)"
+)
+_MYSQL_WAIT = f"SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE"
+_MYSQL_SET_WAIT = (
+    "SET @django_dlock_wait = @@SESSION.innodb_lock_wait_timeout, "
+    "SESSION innodb_lock_wait_timeout = %s"
+)
+_MYSQL_RESET_WAIT = "SET SESSION innodb_lock_wait_timeout = @django_dlock_wait"
+# The fence of a new row starts at the fence floor, as the lease strategy's do.
+_MYSQL_CREATE = (
+    f"INSERT IGNORE INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
+    "SELECT %s, '', '', COALESCE((SELECT value FROM django_dlock_fencefloor WHERE id = 1), 0), "
+    f"NULL, UTC_TIMESTAMP(6) FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)"
+)
+#: innodb_lock_wait_timeout's maximum: "forever"
+_MYSQL_FOREVER = 1073741824
+#: MySQL error numbers: lock wait timeout, deadlock, NOWAIT
+_MYSQL_TIMEOUT, _MYSQL_DEADLOCK, _MYSQL_NOWAIT = 1205, 1213, 3572
+
+#: how often a row that keeps disappearing is re-created before giving up
+_MAX_CREATIONS = 5
+
+
+def _mysql_errno(exc: BaseException) -> int | None:
+    for err in (exc, exc.__cause__):
+        args = getattr(err, "args", ())
+        if args and isinstance(args[0], int):
+            return int(args[0])
+    return None
+
+
+def _read_committed(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the connection's configured isolation level reads committed rows."""
+    level = getattr(connection, "isolation_level", None)
+    if level is None:
+        return True
+    if isinstance(level, int) and not hasattr(level, "name"):
+        return level in (1, 4)  # psycopg2: READ COMMITTED, READ UNCOMMITTED
+    text = str(getattr(level, "name", level)).lower().replace("_", " ")
+    return text in ("read committed", "read uncommitted")
+
+
+class RowStrategy(TransactionScoped):
+    """Row locks on the ``Lock`` table, in the caller's transaction (module docstring)."""
+
+    name = "row"
+    family = "row"
+
+    def check_supported(self, connection: BaseDatabaseWrapper) -> None:
+        if connection.vendor not in ("postgresql", "mysql"):
+            raise StrategyNotSupported(
+                f"the row strategy needs PostgreSQL or MySQL/MariaDB; database "
+                f"{connection.alias!r} is {connection.vendor}: use the lease strategy"
+            )
+
+    # -- acquire ---------------------------------------------------------------
+
+    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+        connection = self.atomic_connection(req)
+        if (
+            connection.vendor == "mysql"
+            and not connection.features.has_select_for_update_skip_locked
+        ):
+            raise StrategyNotSupported(
+                "the row strategy needs SELECT ... FOR UPDATE SKIP LOCKED "
+                "(MySQL 8.0.1+ or MariaDB 10.6+)"
+            )
+        if self.sibling_holds(connection, req):
+            if deadline.timeout == 0:
+                return None
+            raise self.refuse_sibling_wait(req)
+        creations = 0
+        if not _read_committed(connection):
+            self._create(req)  # before the transaction's snapshot may be taken
+            creations += 1
+        while True:
+            got, fence, present = self._try(connection, req)
+            if not got and present and not deadline.expired():
+                got, fence, present = self._wait(connection, req, deadline, policy)
+            if got:
+                self.remember(connection, req)
+                return Grant(fence)
+            if present:
+                return None  # held by someone else until the deadline
+            if creations >= _MAX_CREATIONS:
+                raise DLockError(
+                    f"the row of {req.key.name!r} stays invisible to this transaction: it "
+                    "was created after the transaction's snapshot (REPEATABLE READ or "
+                    "SERIALIZABLE). Acquire row locks first in the transaction, use READ "
+                    "COMMITTED, or use the advisory_xact strategy"
+                )
+            self._create(req)
+            creations += 1
+
+    def _try(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[bool, int | None, bool]:
+        """One look: (locked by us now, fence, the row exists)."""
+        sql = _PG_TRY if connection.vendor == "postgresql" else _MYSQL_TRY
+        with connection.cursor() as cur:
+            cur.execute(sql, [req.key.name, req.key.name])
+            row = cur.fetchone()
+        if connection.vendor == "postgresql":
+            fence = None if row[0] is None else int(row[0])
+            return fence is not None, fence, bool(row[1])
+        return row[0] is not None, None, bool(row[1])
+
+    def _wait(
+        self,
+        connection: BaseDatabaseWrapper,
+        req: Request,
+        deadline: Deadline,
+        policy: RetryInterval,
+    ) -> tuple[bool, int | None, bool]:
+        if connection.vendor == "postgresql":
+            return self._pg_wait(connection, req, deadline)
+        return self._mysql_wait(connection, req, deadline, policy)
+
+    def _pg_wait(
+        self, connection: BaseDatabaseWrapper, req: Request, deadline: Deadline
+    ) -> tuple[bool, int | None, bool]:
+        while True:
+            timeout_ms = lock_timeout_ms(deadline)
+            if timeout_ms is None:
+                return False, None, True
+            try:
+                with transaction.atomic(using=req.alias), connection.cursor() as cur:
+                    cur.execute(_PG_WAIT, [str(timeout_ms), req.key.name])
+                    row = cur.fetchone()
+            except DatabaseError as exc:
+                state = sqlstate(exc)
+                if state == "55P03" and timeout_ms == MAX_LOCK_TIMEOUT_MS:
+                    continue
+                if state in ("55P03", "40P01", "57014"):
+                    return False, None, True  # lock_timeout, deadlock, statement_timeout
+                raise
+            if not row[1]:
+                return False, None, False  # the row was deleted while we waited
+            return True, int(row[0]), True
+
+    def _mysql_wait(
+        self,
+        connection: BaseDatabaseWrapper,
+        req: Request,
+        deadline: Deadline,
+        policy: RetryInterval,
+    ) -> tuple[bool, int | None, bool]:
+        attempt = 0
+        while True:
+            if deadline.timeout is None:
+                seconds = _MYSQL_FOREVER
+            else:
+                left = deadline.remaining()
+                if left <= 0:
+                    return False, None, True
+                seconds = int(left)
+            if seconds < 1:
+                # innodb_lock_wait_timeout counts whole seconds: poll the rest.
+                time.sleep(max(0.0, min(interval(policy, attempt), deadline.remaining())))
+                attempt += 1
+                got, fence, present = self._try(connection, req)
+                if got or not present:
+                    return got, fence, present
+                continue
+            try:
+                found = self._mysql_wait_once(connection, req, seconds)
+            except DatabaseError as exc:
+                errno = _mysql_errno(exc)
+                if errno in (_MYSQL_TIMEOUT, _MYSQL_NOWAIT):
+                    continue
+                if errno == _MYSQL_DEADLOCK:
+                    raise DLockError(
+                        f"deadlock while waiting for the row of {req.key.name!r}: the "
+                        "database rolled back the whole transaction"
+                    ) from exc
+                raise
+            return found, None, found
+
+    def _mysql_wait_once(self, connection: BaseDatabaseWrapper, req: Request, seconds: int) -> bool:
+        with transaction.atomic(using=req.alias), connection.cursor() as cur:
+            cur.execute(_MYSQL_SET_WAIT, [seconds])
+            try:
+                cur.execute(_MYSQL_WAIT, [req.key.name])
+                return cur.fetchone() is not None
+            finally:
+                cur.execute(_MYSQL_RESET_WAIT)
+
+    def _create(self, req: Request) -> None:
+        """Insert the key's row, free, committed at once on a separate connection."""
+        side = lock_connection(req.alias)
+        sql = _PG_CREATE if side.vendor == "postgresql" else _MYSQL_CREATE
+        params: list[Any] = [req.key.name]
+        if side.vendor != "postgresql":
+            params.append(req.key.name)
+        with cursor(side) as cur:
+            cur.execute(sql, params)
+
+    # -- inspect ---------------------------------------------------------------
+
+    def owned(self, req: Request) -> bool:
+        """True while the transaction that locked the row is open.
+
+        A row lock cannot be lost while its transaction lives; there is no
+        catalog of row locks to ask.
+        """
+        return not self.ended(req)
+
+    def locked(self, alias: str, key: Key) -> bool:
+        """Whether someone holds the row lock (looks with ``SKIP LOCKED``, holds nothing)."""
+        connection = lock_connection(alias)
+        with cursor(connection) as cur:
+            if connection.vendor == "postgresql":
+                cur.execute(
+                    f"SELECT EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s), "
+                    f"EXISTS (SELECT 1 FROM (SELECT id FROM {TABLE} WHERE name = %s "
+                    "FOR UPDATE SKIP LOCKED) s)",
+                    [key.name, key.name],
+                )
+                present, free = cur.fetchone()
+            else:
+                cur.execute(_MYSQL_TRY, [key.name, key.name])
+                free_id, present = cur.fetchone()
+                free = free_id is not None
+        return bool(present) and not free
+
+
+row = RowStrategy()
