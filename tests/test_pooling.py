@@ -1,0 +1,273 @@
+"""Connection pools: advisory locks never leak to the next borrower of a connection.
+
+* Our own sessions (``django_dlock.sessions``): reused by one holder after
+  another, never shared by two at once, only pooled when they hold nothing,
+  never used by a forked child.
+* Django's connection pool (``OPTIONS["pool"]``, Django 5.1+): a held lock is
+  not on any pooled connection, so the next borrower neither holds nor can
+  release it; a transaction-scoped lock ends before its connection goes back.
+* The system checks that warn about poolers (dlock.W010, dlock.W011).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+import threading
+
+import django
+import pytest
+from django.db import connections
+from django.test.utils import override_settings
+
+import django_dlock as dlock
+from django_dlock import sessions
+from django_dlock.keys import make_key
+from django_dlock.strategies.advisory import pg_locks_ids
+from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.support import database_messages
+
+from .helpers import in_thread, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+ADV = "advisory"
+
+try:
+    import psycopg_pool  # noqa: F401
+
+    HAS_POOL = True
+except ImportError:  # pragma: no cover
+    HAS_POOL = False
+
+needs_django_pool = pytest.mark.skipif(
+    django.VERSION < (5, 1) or not HAS_POOL,
+    reason="Django's connection pool (OPTIONS['pool']) needs Django >= 5.1 and psycopg-pool; "
+    f"this is Django {django.get_version()}",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    gc.collect()
+    wait_until(lambda: not sessions.holding_sessions(), timeout=30)
+    sessions.close_all()
+    close_private_connections()
+
+
+def query(sql: str, params: list | None = None) -> list[tuple]:
+    with connections["default"].cursor() as cur:
+        cur.execute(sql, params or [])
+        return list(cur.fetchall())
+
+
+def holder_pid(key: str) -> int | None:
+    classid, objid, objsubid = pg_locks_ids(make_key(key))
+    found = query(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND "
+        "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s",
+        [classid, objid, objsubid],
+    )
+    return found[0][0] if found else None
+
+
+def advisory_locks_of(pid: int) -> int:
+    return query("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s", [pid])[
+        0
+    ][0]
+
+
+# -- our sessions ------------------------------------------------------------------------
+
+
+def test_a_session_is_reused_and_pooled_only_when_it_holds_nothing():
+    pids = set()
+    for _ in range(3):
+        with dlock.lock("p", strategy=ADV):
+            pids.add(holder_pid("p"))
+    assert len(pids) == 1
+    (pid,) = pids
+    assert advisory_locks_of(pid) == 0  # idle in our pool, holding nothing
+    assert query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid]) == [
+        ("django-dlock",)
+    ]
+    # Another holder reuses it (no connect), and is the only one using it.
+    assert in_thread(lambda: _pid_while_holding("p")) == pid
+    assert sessions.close_all() == 1
+    wait_until(lambda: not query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
+
+
+def _pid_while_holding(key: str) -> int | None:
+    with dlock.lock(key, strategy=ADV):
+        return holder_pid(key)
+
+
+def test_concurrent_holders_have_their_own_sessions_and_the_idle_pool_is_bounded():
+    count = sessions.MAX_IDLE + 3
+    barrier = threading.Barrier(count + 1)
+    release = threading.Event()
+    pids: list[int | None] = []
+
+    def hold(i: int) -> None:
+        try:
+            with dlock.lock(f"k{i}", strategy=ADV):
+                pids.append(holder_pid(f"k{i}"))
+                barrier.wait(30)
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=hold, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    barrier.wait(30)
+    assert len(set(pids)) == count
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(sessions.pool("default").idle) == sessions.MAX_IDLE
+    for pid in pids:  # pooled or closed, none holds anything
+        assert advisory_locks_of(pid) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_never_uses_the_parents_sessions():
+    with dlock.lock("parent", strategy=ADV):
+        parent_pid = holder_pid("parent")
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        code = 1
+        try:
+            inherited = len(sessions.pool("default").idle)
+            lk = dlock.lock("child", strategy=ADV)
+            lk.acquire(timeout=5)
+            session = sessions.find("default", lk.token)
+            lk.release()
+            os.write(write_end, f"{inherited} {session.backend_pid}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 60)
+        assert ready, "the child did not answer"
+        inherited, child_pid = map(int, os.read(read_end, 100).split())
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    assert inherited == 0
+    assert child_pid != parent_pid
+    # The parent's pooled session is intact (the child did not close it).
+    with dlock.lock("parent", strategy=ADV):
+        assert holder_pid("parent") == parent_pid
+
+
+# -- Django's pool --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def django_pool():
+    """Django's connection pool on the default alias, one connection: every
+    borrower gets the same server session."""
+    wrapper = connections["default"]
+    options = wrapper.settings_dict["OPTIONS"]  # shared by every thread's wrapper
+    wrapper.close()
+    options["pool"] = {"min_size": 1, "max_size": 1, "timeout": 20}
+    try:
+        yield
+    finally:
+        connections.close_all()
+        wrapper.close_pool()
+        del options["pool"]
+
+
+def _django_backend_pid() -> int:
+    return int(query("SELECT pg_backend_pid()")[0][0])
+
+
+@needs_django_pool
+def test_djangos_pool_never_hands_a_held_lock_to_the_next_borrower(django_pool):
+    lk = dlock.lock("pooled", strategy=ADV)
+    lk.acquire()
+    k = make_key("pooled").advisory[0]
+    borrowed = _django_backend_pid()
+    connections["default"].close()  # back to Django's pool, the lock still held
+    lock_pid = holder_pid("pooled")
+    connections["default"].close()
+    assert lock_pid != borrowed  # the lock is on our dedicated session
+
+    def next_borrower() -> tuple[int, bool, bool, bool]:
+        pid = _django_backend_pid()
+        took = query("SELECT pg_try_advisory_lock(%s)", [k])[0][0]
+        freed = query("SELECT pg_advisory_unlock(%s)", [k])[0][0]
+        acquired = dlock.lock("pooled", strategy=ADV).acquire(timeout=0)
+        return pid, took, freed, acquired
+
+    assert in_thread(next_borrower) == (borrowed, False, False, False)
+    assert lk.owned()
+    lk.release()
+    assert in_thread(lambda: _try_and_release("pooled")) is True
+
+
+def _try_and_release(key: str, strategy: str = ADV) -> bool:
+    lk = dlock.lock(key, strategy=strategy)
+    if lk.acquire(timeout=0):
+        lk.release()
+        return True
+    return False
+
+
+@needs_django_pool
+def test_djangos_pool_and_transaction_scoped_locks(django_pool):
+    def locked_in_a_transaction() -> int:
+        with dlock.lock_and_atomic("pooled-xact", strategy="advisory_xact"):
+            return _django_backend_pid()
+
+    pid = in_thread(locked_in_a_transaction)  # committed, connection back in the pool
+    assert in_thread(lambda: (_django_backend_pid(), advisory_locks_of(pid))) == (pid, 0)
+    # ... so the next borrower of that server session holds nothing of the previous one
+
+    def borrower_can_lock() -> bool:
+        with dlock.lock_and_atomic("pooled-xact", strategy="advisory_xact", timeout=0):
+            return True
+
+    assert in_thread(borrower_can_lock) is True
+
+
+@needs_django_pool
+def test_check_w011_warns_with_djangos_pool(django_pool):
+    from django_dlock.checks import check_strategy_database
+
+    with override_settings(DLOCK_DEFAULT_STRATEGY="advisory"):
+        assert [m.id for m in check_strategy_database()] == ["dlock.W011"]
+    with override_settings(DLOCK_DEFAULT_STRATEGY="advisory_xact"):
+        assert check_strategy_database() == []
+
+
+# -- checks -------------------------------------------------------------------------------
+
+
+def test_check_w010_pgbouncer_looking_databases():
+    def ids(database: dict) -> list[str]:
+        return [str(m.id) for m in database_messages("advisory", "x", database, "postgresql")]
+
+    assert ids({"DISABLE_SERVER_SIDE_CURSORS": True}) == ["dlock.W010"]
+    assert ids({"PORT": "6432"}) == ["dlock.W010"]
+    assert ids({"PORT": 6432, "OPTIONS": {"pool": True}}) == ["dlock.W010", "dlock.W011"]
+    assert ids({"PORT": "5432"}) == []
+    # Transaction-scoped and lease locks are fine behind a pooler.
+    for strategy in ("advisory_xact", "lease"):
+        found = database_messages(strategy, "x", {"PORT": "6432"}, "postgresql")
+        assert found == []
+
+
+def test_check_is_registered():
+    from django.core import checks
+
+    with override_settings(DLOCK_DEFAULT_STRATEGY="advisory", DLOCK_ADVISORY_FENCING=1):
+        found = [m.id for m in checks.run_checks(tags=[checks.Tags.compatibility])]
+    assert "dlock.E012" in found
