@@ -313,6 +313,17 @@ def test_shared_readers_and_one_writer():
         assert try_once("doc") is False
 
 
+def test_a_shared_holding_is_not_re_entered_exclusively():
+    with dlock.lock("mode", strategy=ADV, shared=True):
+        with pytest.raises(dlock.LockReentrantError, match="held shared"):
+            dlock.lock("mode", strategy=ADV).acquire()
+        with dlock.lock("mode", strategy=ADV, shared=True):  # shared in shared: fine
+            pass
+    with dlock.lock("mode", strategy=ADV), dlock.lock("mode", strategy=ADV, shared=True):
+        pass  # exclusive covers shared
+    assert try_once("mode") is True
+
+
 def test_many_keys_on_one_session_all_or_none():
     with dlock.lock("y", strategy=ADV):
         both = dlock.lock(["x", "y"], strategy=ADV)

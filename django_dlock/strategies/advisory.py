@@ -237,7 +237,9 @@ class AdvisoryStrategy:
 
     def try_acquire(self, req: Request) -> int | None:
         grant = self._acquire(req, Deadline(0), current_holder, None)
-        return None if grant is None else grant.fence
+        if grant is None:
+            return None
+        return 0 if grant.fence is None else grant.fence
 
     def _acquire(
         self,
