@@ -210,9 +210,8 @@ class LeaseStrategy:
             while True:
                 kind, pause = step
                 if kind == "sleep":
-                    waiter.thread_event.wait(pause)
+                    result: Any = waiter.thread_event.wait(pause)
                     waiter.clear()
-                    result: Any = None
                 else:
                     result = self._step(kind, req)
                 step = plan.send(result)
@@ -243,11 +242,12 @@ class LeaseStrategy:
             step = next(plan)
             while True:
                 kind, pause = step
+                result: Any
                 if kind == "sleep":
+                    result = False
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(waiter.async_event.wait(), pause)
+                        result = await asyncio.wait_for(waiter.async_event.wait(), pause)
                     waiter.clear()
-                    result: Any = None
                 else:
                     result = await sync_to_async(self._step)(kind, req)
                 step = plan.send(result)
@@ -289,8 +289,10 @@ class LeaseStrategy:
         then raises the database's error rather than report a timeout.
         """
         attempt = 0
+        woken = False
         while True:
-            left: float | Outage = yield ("left", 0.0)
+            # Woken by a NOTIFY: the lock was just released, try at once.
+            left: float | Outage = 0.0 if woken else (yield ("left", 0.0))
             if not isinstance(left, Outage) and left <= 0:
                 fence: int | None | Outage = yield ("try", 0.0)
                 if isinstance(fence, Outage):
@@ -305,6 +307,7 @@ class LeaseStrategy:
                 pause = min(MAX_OUTAGE_PAUSE, max(0.05, interval(policy, attempt)))
                 yield ("sleep", min(pause, deadline.remaining()))
                 attempt += 1
+                woken = False
                 continue
             if deadline.expired():
                 return None
@@ -314,7 +317,7 @@ class LeaseStrategy:
                 pause = interval(policy, attempt)
                 if left > 0:
                     pause = min(pause, left + EXPIRY_MARGIN)
-            yield ("sleep", max(0.0, min(pause, deadline.remaining())))
+            woken = bool((yield ("sleep", max(0.0, min(pause, deadline.remaining())))))
             attempt += 1
 
     def try_acquire(self, req: Request) -> int | None:

@@ -1,0 +1,99 @@
+"""Measuring helpers: interleaved rounds, percentiles, raw connections."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def setup_django() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.benchmarks.settings")
+    import django
+
+    django.setup()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@dataclass
+class Series:
+    """Rounds of one contender: pairs per second per round, latency samples (s)."""
+
+    name: str
+    rates: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates) if self.rates else float("nan")
+
+    def p(self, q: float) -> float:
+        return percentile(self.latencies, q)
+
+
+def run_for(pair: Callable[[], Any], seconds: float, series: Series) -> None:
+    """Call ``pair`` for ``seconds``; record the rate and per-call latency."""
+    samples: list[float] = []
+    clock = time.perf_counter
+    start = clock()
+    end = start + seconds
+    now = start
+    while now < end:
+        t0 = clock()
+        pair()
+        now = clock()
+        samples.append(now - t0)
+    series.rates.append(len(samples) / (now - start))
+    series.latencies.extend(samples)
+
+
+def interleaved(
+    contenders: dict[str, Callable[[], Any]], rounds: int, seconds: float, warmup: float = 0.2
+) -> dict[str, Series]:
+    """Run every contender for ``seconds``, round after round, in turn."""
+    results = {name: Series(name) for name in contenders}
+    for pair in contenders.values():
+        run_for(pair, warmup, Series("warmup"))
+    for _ in range(rounds):
+        for name, pair in contenders.items():
+            run_for(pair, seconds, results[name])
+    return results
+
+
+def raw_connection(alias: str = "default") -> Any:
+    """A plain psycopg connection (autocommit) to the same database as ``alias``."""
+    import psycopg
+    from django.db import connections
+
+    params = connections[alias].get_connection_params()
+    for key in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
+        params.pop(key, None)
+    return psycopg.Connection.connect(autocommit=True, **params)
+
+
+def ensure_databases() -> None:
+    """Create the benchmark databases if missing and migrate them."""
+    import psycopg
+    from django.conf import settings
+    from django.core.management import call_command
+
+    db = settings.DATABASES["default"]
+    dsn = f"host={db['HOST']} port={db['PORT']} user={db['USER']} dbname=postgres"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for alias in settings.DATABASES:
+            name = settings.DATABASES[alias]["NAME"]
+            found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name])
+            if found.fetchone() is None:
+                conn.execute(f'CREATE DATABASE "{name}"')
+    for alias in settings.DATABASES:
+        call_command("migrate", database=alias, verbosity=0)

@@ -1,0 +1,160 @@
+"""Render the benchmark results: a markdown report and a PNG chart."""
+
+from __future__ import annotations
+
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .common import Series
+from .failover import TIMING, Failover
+from .handoff import Handoff
+from .scale import Cleanup
+from .uncontended import FLOORS
+
+ANCHORS = "PERFORMANCE.md (2 vCPU VM, PostgreSQL 15, Redis 7)"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def uncontended_table(results: dict[str, Series]) -> list[str]:
+    lines = [
+        "| contender | pairs/s (median) | p50 µs | p99 µs | vs its raw floor |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, series in results.items():
+        floor = FLOORS.get(name)
+        ratio = _ratio(series.rate, results[floor].rate) if floor in results else ""
+        lines.append(
+            f"| {name} | {series.rate:,.0f} | {series.p(50) * 1e6:,.0f} | "
+            f"{series.p(99) * 1e6:,.0f} | {ratio} |"
+        )
+    return lines
+
+
+def handoff_table(results: list[Handoff]) -> list[str]:
+    lines = [
+        "| waiting method | acq/s | holder changes | hand-off p50 ms | p99 ms | worst ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for h in results:
+        lines.append(
+            f"| {h.name} | {h.acquisitions_per_second:,.0f} | {h.holder_changes:.0%} | "
+            f"{h.p50_ms:.2f} | {h.p99_ms:.2f} | {h.worst_ms:.1f} |"
+        )
+    return lines
+
+
+def scale_table(acq: dict[str, Series], cleanups: list[Cleanup]) -> list[str]:
+    names = list(acq)
+    lines = [
+        "| lease acquire + release | pairs/s | p99 µs |",
+        "| --- | ---: | ---: |",
+        *(f"| {n} | {acq[n].rate:,.0f} | {acq[n].p(99) * 1e6:,.0f} |" for n in names),
+        "",
+        f"Table with expired rows vs empty: **{_ratio(acq[names[0]].rate, acq[names[1]].rate)}** "
+        "slower per pair.",
+        "",
+        "| deleting 1,000,000 expired rows | seconds | rows | concurrent acquire p50 ms "
+        "| p99 ms | worst ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in cleanups:
+        lines.append(
+            f"| {c.name} | {c.seconds:.2f} | {c.deleted:,} | {c.acquire_p50_ms:.2f} | "
+            f"{c.acquire_p99_ms:.2f} | {c.acquire_worst_ms:.1f} |"
+        )
+    if len(cleanups) == 2:
+        ratio = _ratio(cleanups[1].seconds, cleanups[0].seconds)
+        lines += ["", f"Batched cleanup vs one DELETE: **{ratio}**."]
+    return lines
+
+
+def failover_table(results: list[Failover]) -> list[str]:
+    lines = [
+        f"Election timing: lease {TIMING['lease']} s, renew_deadline "
+        f"{TIMING['renew_deadline']} s, retry {TIMING['retry']} s.",
+        "",
+        "| strategy | signal to the leader | median s | samples s |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for f in results:
+        samples = ", ".join(f"{s:.3f}" for s in f.samples)
+        lines.append(f"| {f.strategy} | {f.signal} | {f.median_s:.3f} | {samples} |")
+    return lines
+
+
+def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    names = list(results)
+    rates = [results[n].rate for n in names]
+    colors = [
+        "#9e9e9e"
+        if n.startswith("raw")
+        else "#c0392b"
+        if ("redis" in n or "pglock" in n)
+        else "#2e86c1"
+        for n in names
+    ]
+    left.barh(names, rates, color=colors)
+    left.invert_yaxis()
+    left.set_xlabel("acquire + release pairs per second (median, higher is better)")
+    left.set_title("Uncontended, one client")
+    left.tick_params(axis="y", labelsize=8)
+    right.bar(
+        [h.name for h in handoffs], [h.p50_ms for h in handoffs], color="#2e86c1", label="p50"
+    )
+    right.set_yscale("log")
+    right.set_ylabel("hand-off latency p50, ms (log, lower is better)")
+    right.set_title("Hand-off, 4 processes, one key, ~1 ms work")
+    fig.suptitle("django-dlock (blue) vs raw floors (grey) and other libraries (red)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(sections: dict[str, list[str]], meta: dict[str, Any]) -> str:
+    head = [
+        "# Benchmarks",
+        "",
+        "Measured by `python -m tests.benchmarks` in one run, side by side on the same",
+        "PostgreSQL and Redis, interleaved round by round (A B A B …); rates are medians",
+        "of the rounds. The machines are noisy (PERFORMANCE.md saw the same row move by",
+        "up to 45 % between two runs): compare the ratios within a run, not absolute",
+        'numbers across runs. Rerun it yourself: `pip install -e ".[dev,bench]" && '
+        "python -m tests.benchmarks`.",
+        "",
+        f"Run: {meta['when']} on {meta['machine']}; {meta['versions']}.",
+        "",
+        "![benchmark chart](img/benchmarks.png)",
+        "",
+    ]
+    body: list[str] = []
+    for title, lines in sections.items():
+        body += [f"## {title}", "", *lines, ""]
+    return "\n".join(head + body)
+
+
+def meta() -> dict[str, Any]:
+    import django
+    import psycopg
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SHOW server_version")
+        pg = cur.fetchone()[0]
+    return {
+        "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {platform.system()} {platform.release()}",
+        "versions": f"Python {platform.python_version()}, Django {django.get_version()}, "
+        f"psycopg {psycopg.__version__}, PostgreSQL {pg}",
+    }
