@@ -44,6 +44,7 @@ shutdown, and in test suites before the test database is dropped).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -55,7 +56,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import psycopg
 from django.db import connections
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_dlock")
 
+T = TypeVar("T")
+
 #: idle sessions kept per alias and process
 MAX_IDLE = 4
 #: seconds after which an idle pooled session is closed
@@ -75,8 +78,9 @@ IDLE_TIMEOUT = 60.0
 WATCH_INTERVAL = 0.2
 #: seconds the watcher lingers without holding sessions before it stops
 WATCH_LINGER = 10.0
-#: threads available to async holders that wait for an advisory lock
-WAIT_THREADS = 32
+#: threads of the executor in which async holders run short advisory statements
+#: (a wait runs in a thread of its own: :func:`in_thread`)
+WAIT_THREADS = 8
 
 _SETUP = (
     "SELECT pg_backend_pid(), set_config('statement_timeout', '0', false), "
@@ -620,7 +624,7 @@ def _watch() -> None:
 
 
 def executor() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads in which async holders run advisory statements."""
+    """The threads in which async holders run short advisory statements."""
     global _executor
     if _executor is None:
         with _executor_mutex:
@@ -629,6 +633,38 @@ def executor() -> concurrent.futures.ThreadPoolExecutor:
                     max_workers=WAIT_THREADS, thread_name_prefix="django-dlock-advisory"
                 )
     return _executor
+
+
+def in_thread(
+    loop: asyncio.AbstractEventLoop, func: Callable[..., T], *args: Any
+) -> asyncio.Future[T]:
+    """Run ``func(*args)`` in a new daemon thread; its result as a future of ``loop``.
+
+    For waits, which can last: a thread per wait never starves the executor,
+    and a daemon thread never holds up the interpreter's exit.
+    """
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        result: T | None = None
+        error: BaseException | None = None
+        try:
+            result = func(*args)
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="django-dlock-advisory-wait", daemon=True).start()
+    return future
 
 
 # -- fork --------------------------------------------------------------------------

@@ -434,6 +434,26 @@ def test_cancelled_async_wait_leaves_nothing_held():
     assert try_once("acancel") is True
 
 
+def test_many_async_waiters_do_not_starve_other_tasks():
+    holder = HeldElsewhere("crowded")
+    waiters_count = sessions.WAIT_THREADS + 2
+
+    async def main() -> bool:
+        waiters = [
+            asyncio.create_task(_hold_briefly("crowded", timeout=60)) for _ in range(waiters_count)
+        ]
+        await asyncio.to_thread(
+            wait_until, lambda: len(pg_locks("crowded", granted=False)) == waiters_count
+        )
+        # Every waiter waits in a thread of its own: a try still runs at once.
+        other = await asyncio.wait_for(_try_and_release("elsewhere"), 30)
+        await asyncio.to_thread(holder.release)
+        assert await asyncio.wait_for(asyncio.gather(*waiters), 60) == [True] * waiters_count
+        return other
+
+    assert asyncio.run(main()) is True
+
+
 def test_asyncio_tasks_exclude_each_other():
     state = {"counter": 0, "inside": 0, "overlaps": 0}
     tasks_count, iterations = 12, 10

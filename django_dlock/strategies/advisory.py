@@ -214,18 +214,30 @@ class AdvisoryStrategy:
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:
-        # The statements run in a worker thread: a wait in PostgreSQL's queue
-        # blocks neither the event loop nor Django's shared sync thread.
+        # The statements run in other threads, so that a wait in PostgreSQL's
+        # queue blocks neither the event loop nor Django's shared sync thread:
+        # the first try in the small shared executor, a wait (if the try
+        # failed and the timeout allows it) in a thread of its own, so that
+        # long waits never starve other tasks' tries.
         holder = current_holder()
         waiter = _AsyncWait()
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(
-            sessions.executor(), self._acquire, req, deadline, lambda: holder, waiter
+        first = loop.run_in_executor(
+            sessions.executor(), self._acquire, req, Deadline(0), lambda: holder, waiter
         )
+        grant = await self._await(req, first, waiter)
+        if grant is not None or deadline.expired():
+            return grant
+        waiting = sessions.in_thread(loop, self._acquire, req, deadline, lambda: holder, waiter)
+        return await self._await(req, waiting, waiter)
+
+    async def _await(
+        self, req: Request, future: asyncio.Future[Grant | None], waiter: _AsyncWait
+    ) -> Grant | None:
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            waiter.cancel()
+            waiter.cancel()  # ends a wait in progress, stops one not yet begun
             future.add_done_callback(lambda done: self._give_back_late(req, done))
             raise
 
