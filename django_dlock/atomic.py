@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import transaction
+from django.db import connections, transaction
 
 from django_dlock.locks import Lock
 from django_dlock.strategies import get_strategy
+
+logger = logging.getLogger("django_dlock")
 
 
 @contextmanager
@@ -37,6 +40,11 @@ def lock_and_atomic(
     transaction runs inside it, and the lock is released once it has
     committed. Also a decorator (``@lock_and_atomic("key")``).
 
+    Inside an outer transaction only the transaction-scoped strategies keep
+    that promise (their lock lasts until the outer commit); with ``lease`` or
+    ``advisory`` the writes would commit after the release, and a warning is
+    logged.
+
     Args:
         key: the lock's key (see :class:`~django_dlock.locks.Lock`).
         using: the database alias of the lock *and* of the transaction.
@@ -55,6 +63,14 @@ def lock_and_atomic(
     if getattr(get_strategy(lk.strategy_name), "transaction_scoped", False):
         with atomic, lk:
             yield lk
-    else:
-        with lk, atomic:
-            yield lk
+        return
+    if connections[alias].in_atomic_block:
+        logger.warning(
+            "django-dlock: lock_and_atomic(%r) with the %s strategy inside an outer "
+            "transaction: the writes commit with the outer transaction, after the lock "
+            "is released; use advisory_xact or row here",
+            lk.name,
+            lk.strategy_name,
+        )
+    with lk, atomic:
+        yield lk

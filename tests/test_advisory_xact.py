@@ -336,6 +336,17 @@ def test_lock_and_atomic_timeout_writes_nothing():
             in_thread(attempt)
 
 
+def test_lock_and_atomic_inside_an_outer_transaction(caplog):
+    with caplog.at_level("WARNING", logger="django_dlock"), transaction.atomic():
+        with dlock.lock_and_atomic("nested", strategy=XACT):
+            pass
+        assert other_try("nested") is False  # held until the outer commit
+        assert "outer transaction" not in caplog.text
+        with dlock.lock_and_atomic("nested-lease", strategy="lease"):
+            pass
+        assert "outer transaction" in caplog.text  # the writes would commit after release
+
+
 def test_lock_and_atomic_as_a_decorator():
     @dlock.lock_and_atomic("deco", strategy=XACT)
     def work() -> bool:
