@@ -328,8 +328,12 @@ class Session:
         reason = self.lost or "the database session ended"
         for name in names:
             holding = holder.holdings.get((self.alias, self.family, name))
-            if holding is not None:
-                holding.mark_lost(reason)
+            if holding is None:
+                continue
+            try:
+                holding.mark_lost(reason)  # lock_lost signal, on_lost callback
+            except Exception:  # a signal receiver raised: the others still hear
+                logger.exception("django-dlock: reporting the loss of %s failed", name)
 
     def looks_dead(self) -> bool:
         """For the watcher: consume what the idle socket has; true if the session ended."""

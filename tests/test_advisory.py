@@ -663,6 +663,21 @@ def test_check_e010_advisory_needs_postgresql():
         assert database_messages(strategy, "x", {}, "postgresql") == []
 
 
+class _LocksOnSqlite:
+    def db_for_write(self, model, **hints):
+        return "sqlite" if model._meta.app_label == "django_dlock" else None
+
+
+def test_check_e010_follows_the_lock_database_of_the_router():
+    from django_dlock.checks import check_strategy_database
+
+    router = f"{__name__}._LocksOnSqlite"
+    with override_settings(DLOCK_DEFAULT_STRATEGY="advisory", DATABASE_ROUTERS=[router]):
+        assert [m.id for m in check_strategy_database()] == ["dlock.E010"]
+    with override_settings(DLOCK_DEFAULT_STRATEGY="advisory"):
+        assert check_strategy_database() == []  # the default database is PostgreSQL
+
+
 def test_check_e012_fencing_must_be_a_bool():
     from django_dlock.checks import check_strategy_database
 

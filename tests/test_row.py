@@ -126,7 +126,8 @@ def test_timeout_inside_an_outer_atomic_leaves_it_usable(db):
         assert in_thread(work) == ["data:1", "data:2"]
 
 
-def test_a_wait_is_handed_over_at_commit(db):
+@pytest.mark.parametrize("timeout", [60, None], ids=["timeout", "forever"])
+def test_a_wait_is_handed_over_at_commit(db, timeout):
     go, holding = threading.Event(), threading.Event()
 
     def holder() -> None:
@@ -143,7 +144,8 @@ def test_a_wait_is_handed_over_at_commit(db):
 
     def waiter() -> None:
         with transaction.atomic(using=db):
-            result["got"] = dlock.lock("handoff", strategy=ROW, using=db).acquire(timeout=60)
+            lk = dlock.lock("handoff", strategy=ROW, using=db)
+            result["got"] = lk.acquire(timeout=timeout)
         connections.close_all()
 
     waiting = threading.Thread(target=waiter)
