@@ -825,12 +825,14 @@ class LeaderElection:
     def _handle_async_signals(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         if threading.current_thread() is not threading.main_thread():
             return None
-        installed: list[int] = []
+        installed: dict[int, Any] = {}
 
         def restore() -> None:
-            for signum in installed:
+            for signum, previous in installed.items():
                 with contextlib.suppress(Exception):
                     loop.remove_signal_handler(signum)
+                    if previous is not None:
+                        signal.signal(signum, previous)
             installed.clear()
 
         def on_signal(signum: int) -> None:
@@ -841,11 +843,12 @@ class LeaderElection:
             self._request_stop()
 
         for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(signum)
             try:
                 loop.add_signal_handler(signum, on_signal, signum)
             except (NotImplementedError, RuntimeError, ValueError):
                 continue
-            installed.append(signum)
+            installed[signum] = previous
         return restore
 
     # -- the election's thread ------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import threading
 import time
 
@@ -462,3 +464,38 @@ def test_mixed_strategies_never_make_two_leaders(pg, caplog):
         with caplog.at_level("ERROR", logger="django_dlock"), advisory_side:
             wait_until(lambda: "must use the same strategy" in caplog.text)
             assert lease_side.is_leader and not advisory_side.is_leader
+
+
+# -- signals in a real process ------------------------------------------------------------
+
+ASYNC_SCRIPT = """
+import asyncio, django
+django.setup()
+from django_dlock import LeaderElection
+
+async def target(leadership):
+    print("leading", leadership.term, flush=True)
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        print("cancelled", flush=True)
+        raise
+
+election = LeaderElection("async-signal", lease=2, renew_deadline=1.5, retry=0.4)
+print("result", asyncio.run(election.arun(target)), flush=True)
+print("leader after", election.leader(), election.stopped_reason, flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_arun_steps_down_on_a_signal_and_returns(signum):
+    from .test_runworker import Worker
+
+    proc = Worker(python=[sys.executable, "-c", ASYNC_SCRIPT])
+    try:
+        wait_until(lambda: bool(proc.first("leading")), 60)
+        proc.signal(signum)
+        assert proc.wait() == 0, proc.stderr()
+    finally:
+        proc.kill()
+    assert proc.lines()[1:] == ["cancelled", "result None", "leader after None stepped down"]
