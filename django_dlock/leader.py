@@ -948,9 +948,10 @@ class LeaderElection:
         mistaken for the next term.
         """
         assert self._io is not None and self._req is not None
+        submitted = time.monotonic()
         future = self._io.submit(func, *args)
         try:
-            return True, future.result(timeout=max(0.0, until - time.monotonic()))
+            return True, future.result(timeout=max(0.0, until - submitted))
         except concurrent.futures.TimeoutError:
             old_io, old_req = self._io, self._req
             old_io.submit(self._backend.release, old_req)
@@ -958,7 +959,8 @@ class LeaderElection:
             label = f"django-dlock-elect {self.key.name}"
             self._io = _IOThread(self.alias, label, self._backend)
             self._req = self._new_request()
-            return False, TimeoutError(f"the database did not answer within {until:.3g} s")
+            waited = time.monotonic() - submitted
+            return False, TimeoutError(f"the database did not answer within {waited:.3g} s")
         except Exception as exc:
             return False, exc
 

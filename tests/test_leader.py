@@ -233,6 +233,7 @@ def test_leader_that_cannot_renew_stops_before_its_lease_can_end(alias):
             # at the moment it stopped leading, its lease had time left
             _, left = lease_left(alias)
             assert left > 0
+            wait_until(lambda: made.stopped_reason is not None)
             assert "could not renew within renew_deadline" in made.stopped_reason
         finally:
             unlock.set()
@@ -452,6 +453,7 @@ def test_advisory_leader_whose_session_ends_stops_and_a_standby_leads_at_once(pg
         # well within the 10 s lease: the advisory lock went with the session
         wait_until(lambda: not leader.is_leader and standby.is_leader, 5)
         assert standby.term > first
+        wait_until(lambda: leader.stopped_reason is not None)
         assert leader.stopped_reason.startswith("lost: ")
 
 
