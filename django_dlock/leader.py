@@ -671,9 +671,11 @@ class LeaderElection:
         and must return soon after ``leadership.ended`` becomes true (use
         ``leadership.wait(seconds)`` to sleep). When a term is lost, the
         process stands by and campaigns again; the target is called again on
-        its next term. When the target returns (or raises) while still
-        leading, the process steps down and ``run`` returns its value (or
-        raises). Returns ``None`` when stopped.
+        its next term (a :class:`LockLost` raised by
+        :meth:`Leadership.check` after the term ended counts as returning).
+        When the target returns while still leading, the process steps down
+        and ``run`` returns its value; any other exception steps down and
+        propagates. Returns ``None`` when stopped.
         """
         restore = self._handle_signals() if handle_signals else None
         self.start()
