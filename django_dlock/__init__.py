@@ -34,9 +34,11 @@ __all__ = [
     "TaskLock",
     "__version__",
     "lock",
+    "lock_and_atomic",
 ]
 
 if TYPE_CHECKING:
+    from django_dlock.atomic import lock_and_atomic
     from django_dlock.leader import LeaderElection
     from django_dlock.locks import Lock, lock
     from django_dlock.tasklock import TaskLock
@@ -59,6 +61,7 @@ def __getattr__(name: str) -> Any:
 
         return LeaderElection
     if name == "lock_and_atomic":
-    
+        from django_dlock.atomic import lock_and_atomic
+
         return lock_and_atomic
     raise AttributeError(f"module 'django_dlock' has no attribute {name!r}")

@@ -62,3 +62,11 @@ def check_worker_jobs(**kwargs: Any) -> list[CheckMessage]:
         Error(f"DLOCK_WORKER_JOBS is invalid: {problem}.", hint=hint, id=check_id)
         for check_id, problem in setting_problems(getattr(settings, "DLOCK_WORKER_JOBS", []))
     ]
+
+
+@register(Tags.compatibility)
+def check_strategy_database(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E010-E012, W010-W011: the default strategy fits the lock database."""
+    from django_dlock.strategies.support import strategy_messages
+
+    return strategy_messages()

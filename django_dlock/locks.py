@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -125,6 +126,27 @@ def _number_or_none(value: object, what: str, allow_zero: bool) -> float | None:
 def _validated(problem: str | None) -> None:
     if problem is not None:
         raise ValueError(problem)
+
+
+#: set while a ``with`` block or a decorated function is being left
+_LEAVING: ContextVar[bool] = ContextVar("django_dlock_leaving", default=False)
+
+
+def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
+    """The holder's holding in ``slot``, forgetting one whose transaction has ended.
+
+    Transaction-scoped strategies (``row``, ``advisory_xact``) say with
+    ``ended(request)`` (no query) when the database has dropped the lock.
+    """
+    holding: Holding | None = holder.holdings.get(slot)
+    ended = getattr(holding.strategy, "ended", None) if holding is not None else None
+    if holding is not None and ended is not None and ended(holding.request):
+        holder.holdings.pop(slot, None)
+        if holding.renewer is not None:
+            with contextlib.suppress(BaseException):
+                holding.renewer.stop()
+        return None
+    return holding
 
 
 class Lock:
@@ -250,7 +272,7 @@ class Lock:
         family = get_strategy(self.strategy_name).family
         found = []
         for key in self.keys:
-            holding = holder.holdings.get((alias, family, key.name))
+            holding = _current(holder, (alias, family, key.name))
             if holding is not None:
                 found.append(holding)
         return found
@@ -298,7 +320,7 @@ class Lock:
 
     def _reenter(self, holder: Holder, alias: str, strategy: Strategy, key: Key) -> bool:
         """Count a re-entry if the holder already holds ``key``."""
-        holding = holder.holdings.get((alias, strategy.family, key.name))
+        holding = _current(holder, (alias, strategy.family, key.name))
         if holding is None:
             return False
         if holding.lost:
@@ -306,6 +328,11 @@ class Lock:
         if not self.reentrant:
             raise LockReentrantError(
                 f"{key.name!r} is already held by this {holder.kind} and reentrant=False"
+            )
+        if holding.request.shared and not self.shared:
+            raise LockReentrantError(
+                f"{key.name!r} is held shared by this {holder.kind}: it cannot be "
+                "re-entered exclusively (release the shared lock first)"
             )
         holding.count += 1
         return True
@@ -441,7 +468,10 @@ class Lock:
             LockNotOwned: the calling thread or task does not hold it.
             LockLost: it was held but has been lost (the lease was taken
                 over, or a renewal failed). Nothing is changed.
+            DLockError: the strategy is transaction-scoped (``row``,
+                ``advisory_xact``): the transaction's end releases it.
         """
+        self._refuse_early_release()
         holder = current_holder()
         holdings = self._holdings(holder)
         if len(holdings) != len(self.keys):
@@ -458,11 +488,23 @@ class Lock:
 
     async def arelease(self) -> None:
         """Async :meth:`release`."""
+        self._refuse_early_release()
         holder = current_holder()
         holdings = self._holdings(holder)
         if len(holdings) != len(self.keys):
             raise LockNotOwned(f"{self.name!r} is not held by this task")
         await sync_to_async(self._release_all)(holder, holdings)
+
+    def _refuse_early_release(self) -> None:
+        if _LEAVING.get() or not getattr(
+            get_strategy(self.strategy_name), "transaction_scoped", False
+        ):
+            return
+        raise DLockError(
+            f"{self.name!r} uses the {self.strategy_name} strategy: the database releases "
+            "it when the transaction ends, and nothing can release it before. Leave the "
+            "`with` block (or the decorated function) instead of calling release()"
+        )
 
     def _release_all(self, holder: Holder, holdings: Iterable[Holding]) -> None:
         first_error: BaseException | None = None
@@ -537,14 +579,18 @@ class Lock:
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        leaving = _LEAVING.set(True)
         try:
             await self.arelease()
         except LockLost:
             if exc is None:
                 raise
             logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
+        finally:
+            _LEAVING.reset(leaving)
 
     def _exit(self, release: Callable[[], None], exc: BaseException | None) -> None:
+        leaving = _LEAVING.set(True)
         try:
             release()
         except LockLost:
@@ -553,6 +599,8 @@ class Lock:
             if exc is None:
                 raise
             logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
+        finally:
+            _LEAVING.reset(leaving)
 
     # -- decorator ----------------------------------------------------------------
 

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from django_dlock import notify
+from django_dlock import notify, sessions
 
 DB_ALIASES = ["default", "sqlite", "mysql"]
 DB_IDS = {"default": "postgresql", "sqlite": "sqlite", "mysql": "mariadb"}
@@ -34,9 +34,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _stop_listeners(django_db_setup):
     # Torn down before the test databases are dropped: the LISTEN
-    # connections must be closed by then.
+    # connections and idle advisory sessions must be closed by then.
     yield
     notify.stop_all()
+    sessions.close_all()
 
 
 @pytest.fixture(params=DB_ALIASES, ids=[DB_IDS[a] for a in DB_ALIASES])
