@@ -20,6 +20,9 @@ REGISTRY: dict[str, str] = {
 }
 
 
+_loaded: dict[str, Strategy] = {}
+
+
 def get_strategy(name: str) -> Strategy:
     """The strategy called ``name``.
 
@@ -31,6 +34,8 @@ def get_strategy(name: str) -> Strategy:
         raise StrategyNotSupported(problem)
     if name not in REGISTRY:
         raise StrategyNotSupported(f"the {name!r} strategy is not available in this version")
-    module, _, attribute = REGISTRY[name].partition(":")
-    strategy: Strategy = getattr(import_module(module), attribute)
-    return strategy
+    found = _loaded.get(name)
+    if found is None:
+        module, _, attribute = REGISTRY[name].partition(":")
+        found = _loaded[name] = getattr(import_module(module), attribute)
+    return found

@@ -188,7 +188,10 @@ def _execute_prepared(
         try:
             with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
                 cur.execute(sql, params, prepare=True)
-                return (cur.fetchone() if cur.description else None), cur.rowcount
+                # (nfields, not .description: that builds column objects)
+                result = cur.pgresult
+                returns_rows = result is not None and result.nfields > 0
+                return (cur.fetchone() if returns_rows else None), cur.rowcount
         finally:
             if saved is None:
                 raw.prepare_threshold = None

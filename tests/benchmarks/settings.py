@@ -15,3 +15,11 @@ DATABASES = {
     "default": {**_pg, "NAME": "dlock_bench"},
     "big": {**_pg, "NAME": "dlock_bench_big"},
 }
+
+# As a production site would run: acquisitions are logged at DEBUG, which is
+# off. (The test settings turn it on to exercise the log calls.)
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "loggers": {"django_dlock": {"level": "WARNING"}},
+}
