@@ -6,8 +6,12 @@ holds many row locks, and a batch never deletes a live lease: the
 row re-acquired between the batch's selection and its deletion is kept.
 
 * PostgreSQL: each batch is one ``DELETE`` addressed by ``ctid`` (no index
-  scan per row; see PERFORMANCE.md, lesson 5) that also raises the
-  ``django_dlock_fence`` sequence above the highest number it deletes.
+  scan per row; see PERFORMANCE.md, lesson 5). Fencing numbers come from the
+  ``django_dlock_fence`` sequence, so deleting rows loses nothing, except
+  for the clock-based numbers of the fast durability mode, which can be
+  above the sequence: when the mode is on, or a row's number is above the
+  sequence (one query before the first batch), each batch also raises the
+  sequence above the highest number it deletes.
 * SQLite, MySQL/MariaDB: each batch is one short transaction that first
   raises ``FenceFloor`` to the highest fencing number it deletes, so a key
   acquired again later starts above every number issued before.
@@ -45,6 +49,33 @@ FROM top
 """
 
 
+_PG_PLAIN_BATCH = f"""
+DELETE FROM {TABLE}
+WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM {TABLE}
+        WHERE expire_at <= statement_timestamp() - %s * interval '1 second'
+        LIMIT %s))
+  AND expire_at <= statement_timestamp() - %s * interval '1 second'
+"""
+
+# Can a row carry a fence above the sequence? Only a clock-based fence of the
+# fast durability mode can; then every batch raises the sequence.
+_PG_FENCES_AHEAD = f"""
+SELECT COALESCE(max(fence), 0) > (SELECT last_value FROM django_dlock_fence) FROM {TABLE}
+"""
+
+
+def _pg_fences_ahead(using: str) -> bool:
+    from django_dlock.conf import conf
+
+    if not conf.LEASE_SYNCHRONOUS_COMMIT:
+        return True
+    with connections[using].cursor() as cur:
+        cur.execute(_PG_FENCES_AHEAD)
+        row = cur.fetchone()
+    return bool(row and row[0])
+
+
 def count_free(using: str, older_than: float = 0.0) -> int:
     """How many rows a cleanup with ``older_than`` would delete now."""
     connection = connections[using]
@@ -55,10 +86,15 @@ def count_free(using: str, older_than: float = 0.0) -> int:
     return int(row[0]) if row else 0
 
 
-def delete_batch(using: str, batch_size: int, older_than: float = 0.0) -> int:
+def delete_batch(
+    using: str, batch_size: int, older_than: float = 0.0, *, fences_ahead: bool | None = None
+) -> int:
     """Delete up to ``batch_size`` rows free for at least ``older_than`` seconds.
 
-    Returns the number of rows deleted (0 when nothing is left).
+    ``fences_ahead`` (PostgreSQL): whether rows may carry fencing numbers
+    above the fence sequence, so that the batch must raise the sequence over
+    what it deletes; ``None`` finds out (one query). Returns the number of
+    rows deleted (0 when nothing is left).
     """
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
@@ -66,8 +102,14 @@ def delete_batch(using: str, batch_size: int, older_than: float = 0.0) -> int:
         raise ValueError("older_than must be >= 0")
     connection = connections[using]
     if connection.vendor == "postgresql":
+        if fences_ahead is None:
+            fences_ahead = _pg_fences_ahead(using)
+        params = [older_than, batch_size, older_than]
         with connection.cursor() as cur:
-            cur.execute(_PG_BATCH, [older_than, batch_size, older_than])
+            if not fences_ahead:
+                cur.execute(_PG_PLAIN_BATCH, params)
+                return int(cur.rowcount)
+            cur.execute(_PG_BATCH, params)
             row = cur.fetchone()
             return int(row[0]) if row else 0
     return _generic_batch(using, batch_size, older_than)
@@ -118,8 +160,9 @@ def delete_free(
     Returns the total number of rows deleted.
     """
     total = 0
+    fences_ahead = _pg_fences_ahead(using) if connections[using].vendor == "postgresql" else None
     while True:
-        deleted = delete_batch(using, batch_size, older_than)
+        deleted = delete_batch(using, batch_size, older_than, fences_ahead=fences_ahead)
         if deleted == 0:
             return total
         total += deleted

@@ -330,3 +330,14 @@ def test_works_with_the_debug_cursor(alias):
         assert any("django_dlock_lock" in q["sql"] for q in connection.queries)
     finally:
         connection.force_debug_cursor = False
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_fences_keep_increasing_when_switching_back_from_fast_durability():
+    from django.test import override_settings
+
+    with override_settings(DLOCK_LEASE_SYNCHRONOUS_COMMIT=False), dlock.lock("switch") as lk:
+        fast_fence = lk.fence  # follows the database clock: far above the sequence
+    assert delete_free("default") >= 1  # durable mode again; the row and its history go
+    with dlock.lock("switch") as lk:
+        assert lk.fence > fast_fence

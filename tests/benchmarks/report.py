@@ -109,11 +109,22 @@ def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> No
     left.set_xlabel("acquire + release pairs per second (median, higher is better)")
     left.set_title("Uncontended, one client")
     left.tick_params(axis="y", labelsize=8)
-    right.bar(
-        [h.name for h in handoffs], [h.p50_ms for h in handoffs], color="#2e86c1", label="p50"
+    names_h = [h.name for h in handoffs]
+    ours = {"advisory", "lease"}
+    xs = range(len(names_h))
+    p50_colors = ["#2e86c1" if n in ours else "#c0392b" for n in names_h]
+    p99_colors = ["#85c1e9" if n in ours else "#f1948a" for n in names_h]
+    right.bar([x - 0.2 for x in xs], [h.p50_ms for h in handoffs], 0.4, color=p50_colors)
+    right.bar([x + 0.2 for x in xs], [h.p99_ms for h in handoffs], 0.4, color=p99_colors)
+    right.set_xticks(
+        list(xs),
+        [
+            f"{n}\n({h.holder_changes:.0%} hand-offs)"
+            for n, h in zip(names_h, handoffs, strict=True)
+        ],
     )
     right.set_yscale("log")
-    right.set_ylabel("hand-off latency p50, ms (log, lower is better)")
+    right.set_ylabel("hand-off latency ms, p50 (dark) and p99 (light); log, lower is better")
     right.set_title("Hand-off, 4 processes, one key, ~1 ms work")
     fig.suptitle("django-dlock (blue) vs raw floors (grey) and other libraries (red)")
     fig.tight_layout()
