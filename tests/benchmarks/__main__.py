@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import report
 
     sections: dict[str, list[str]] = {}
-    unc, hand = {}, []
+    unc, hand, acq, cleanups = {}, [], {}, []
     if "uncontended" in only:
         from . import uncontended
 
@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             failover.run(args.kills)
         )
 
+    sections = {
+        "Targets": report.targets(unc, hand, acq, cleanups),
+        **sections,
+    }
     text = report.markdown(sections, report.meta())
     print(text)
     if not args.no_write and only == {"uncontended", "handoff", "scale", "failover"}:

@@ -55,8 +55,8 @@ def scale_table(acq: dict[str, Series], cleanups: list[Cleanup]) -> list[str]:
         "| --- | ---: | ---: |",
         *(f"| {n} | {acq[n].rate:,.0f} | {acq[n].p(99) * 1e6:,.0f} |" for n in names),
         "",
-        f"Table with expired rows vs empty: **{_ratio(acq[names[0]].rate, acq[names[1]].rate)}** "
-        "slower per pair.",
+        f"Time per pair, table with expired rows vs empty table: "
+        f"**{_ratio(acq[names[0]].rate, acq[names[1]].rate)}**.",
         "",
         "| deleting 1,000,000 expired rows | seconds | rows | concurrent acquire p50 ms "
         "| p99 ms | worst ms |",
@@ -87,13 +87,67 @@ def failover_table(results: list[Failover]) -> list[str]:
     return lines
 
 
+def targets(
+    unc: dict[str, Series], hand: list[Handoff], acq: dict[str, Series], cleanups: list[Cleanup]
+) -> list[str]:
+    """The targets of issue 6, judged on this run's numbers."""
+    rows: list[tuple[str, str, bool]] = []
+
+    def add(target: str, value: float, ok: bool, fmt: str = "{:.2f}x") -> None:
+        rows.append((target, fmt.format(value), ok))
+
+    if unc:
+        adv, floor = unc["advisory"].rate, unc[FLOORS["advisory"]].rate
+        add("`advisory` >= 0.80x the raw floor", adv / floor, adv / floor >= 0.80)
+        pg = unc["django-pglock advisory"].rate
+        add("`advisory` >= 1.15x django-pglock", adv / pg, adv / pg >= 1.15)
+        lease, lfloor = unc["lease"].rate, unc[FLOORS["lease"]].rate
+        add("`lease` >= 0.85x its raw floor", lease / lfloor, lease / lfloor >= 0.85)
+        fast = unc["lease, fast durability"].rate
+        add("fast durability vs durable `lease` (about 2x expected)", fast / lease, fast > lease)
+    by = {h.name: h for h in hand}
+    if by:
+        add(
+            "`advisory` hand-off p50 <= 1 ms",
+            by["advisory"].p50_ms,
+            by["advisory"].p50_ms <= 1.0,
+            "{:.2f} ms",
+        )
+        add(
+            "`lease` hand-off p50 <= 3 ms",
+            by["lease"].p50_ms,
+            by["lease"].p50_ms <= 3.0,
+            "{:.2f} ms",
+        )
+        prl = by["python-redis-lock"].p50_ms
+        add(
+            f"`lease` hand-off p50 beats python-redis-lock ({prl:.2f} ms)",
+            by["lease"].p50_ms,
+            by["lease"].p50_ms < prl,
+            "{:.2f} ms",
+        )
+    if acq:
+        empty, big = (s.rate for s in acq.values())
+        add("acquisition on the big table <= 1.2x the empty table", empty / big, empty / big <= 1.2)
+    if len(cleanups) == 2:
+        ratio = cleanups[1].seconds / cleanups[0].seconds
+        add("`dlock_cleanup` <= 3x one DELETE", ratio, ratio <= 3.0)
+        p99 = cleanups[1].acquire_p99_ms
+        add("acquire p99 while `dlock_cleanup` runs < 50 ms", p99, p99 < 50, "{:.1f} ms")
+    return [
+        "| target | this run | holds |",
+        "| --- | ---: | :---: |",
+        *(f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in rows),
+    ]
+
+
 def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6))
     names = list(results)
     rates = [results[n].rate for n in names]
     colors = [
@@ -124,7 +178,7 @@ def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> No
         ],
     )
     right.set_yscale("log")
-    right.set_ylabel("hand-off latency ms, p50 (dark) and p99 (light); log, lower is better")
+    right.set_ylabel("ms (log): p50 dark, p99 light; lower is better")
     right.set_title("Hand-off, 4 processes, one key, ~1 ms work")
     fig.suptitle("django-dlock (blue) vs raw floors (grey) and other libraries (red)")
     fig.tight_layout()
