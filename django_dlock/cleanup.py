@@ -28,27 +28,7 @@ from django_dlock import dbclock
 TABLE = "django_dlock_lock"
 FLOOR = "django_dlock_fencefloor"
 
-# One batch: delete by ctid, re-checking expiry, and raise the fence
-# sequence above every number deleted (so fences stay increasing whatever
-# produced them: fast-durability clock-based numbers included).
-_PG_BATCH = f"""
-WITH deleted AS (
-    DELETE FROM {TABLE}
-    WHERE ctid = ANY(ARRAY(
-            SELECT ctid FROM {TABLE}
-            WHERE expire_at <= statement_timestamp() - %s * interval '1 second'
-            LIMIT %s))
-      AND expire_at <= statement_timestamp() - %s * interval '1 second'
-    RETURNING fence
-), top AS (
-    SELECT count(*) AS n, max(fence) AS fence FROM deleted
-)
-SELECT n, CASE WHEN fence > (SELECT last_value FROM django_dlock_fence)
-               THEN setval('django_dlock_fence', fence) END
-FROM top
-"""
-
-
+# One batch: delete by ctid, re-checking expiry on the database clock.
 _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}
 WHERE ctid = ANY(ARRAY(
@@ -56,6 +36,16 @@ WHERE ctid = ANY(ARRAY(
         WHERE expire_at <= statement_timestamp() - %s * interval '1 second'
         LIMIT %s))
   AND expire_at <= statement_timestamp() - %s * interval '1 second'
+"""
+
+# The same batch, also raising the fence sequence above every number it
+# deletes (for clock-based fences of the fast durability mode).
+_PG_BATCH = f"""
+WITH deleted AS ({_PG_PLAIN_BATCH} RETURNING fence),
+top AS (SELECT count(*) AS n, max(fence) AS fence FROM deleted)
+SELECT n, CASE WHEN fence > (SELECT last_value FROM django_dlock_fence)
+               THEN setval('django_dlock_fence', fence) END
+FROM top
 """
 
 # Can a row carry a fence above the sequence? Only a clock-based fence of the

@@ -10,6 +10,7 @@ from typing import Any
 from django.db import connections
 
 from django_dlock import dbclock
+from django_dlock.strategies.base import close_private_connections
 
 
 def in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -31,6 +32,35 @@ def in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("result")
+
+
+def run_threads(
+    func: Callable[..., Any], arg_lists: list[tuple[Any, ...]], timeout: float = 300
+) -> None:
+    """Run ``func(*args)`` in one thread per entry, all at once.
+
+    Each thread closes its database connections when it ends. Re-raises the
+    first error of any thread; fails if a thread has not finished in time.
+    """
+    errors: list[BaseException] = []
+
+    def run(*args: Any) -> None:
+        try:
+            func(*args)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            close_private_connections()
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=args) for args in arg_lists]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
+    if errors:
+        raise errors[0]
 
 
 def expire_now(alias: str, name: str) -> None:

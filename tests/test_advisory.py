@@ -20,7 +20,7 @@ from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 
 from . import procs
-from .helpers import in_thread, wait_until
+from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -490,22 +490,7 @@ def _counting_worker(counter_path: str, iterations: int, shared_key: str = "coun
 def test_threads_exclude_each_other(tmp_path):
     counter = procs.FileCounter(str(tmp_path / "counter"))
     counter.reset()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            _counting_worker(counter.path, 50)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors and not any(t.is_alive() for t in threads)
+    run_threads(_counting_worker, [(counter.path, 50)] * 8)
     assert counter.read() == 400
 
 

@@ -19,7 +19,7 @@ from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 
 from . import procs
-from .helpers import in_thread, wait_until
+from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -305,22 +305,7 @@ def test_lock_and_atomic_commits_before_the_lock_goes(strategy):
     # If the lock passed on before the commit, the next holder would read the
     # old value and an increment would be lost.
     _make_counter("data:counter")
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            _increment_in_db("counter", "data:counter", 25, strategy)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors
+    run_threads(_increment_in_db, [("counter", "data:counter", 25, strategy)] * 4)
     assert _counter_value("data:counter") == 100
 
 
@@ -362,22 +347,7 @@ def test_lock_and_atomic_as_a_decorator():
 def test_threads_exclude_each_other(tmp_path):
     counter = procs.FileCounter(str(tmp_path / "counter"))
     counter.reset()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            _file_worker(counter.path, 40)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors
+    run_threads(_file_worker, [(counter.path, 40)] * 6)
     assert counter.read() == 240
 
 

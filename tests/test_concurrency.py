@@ -10,7 +10,6 @@ fences must strictly increase.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 from django.db import connections
@@ -18,6 +17,7 @@ from django.db import connections
 import django_dlock as dlock
 
 from . import procs
+from .helpers import run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -58,22 +58,7 @@ def test_threads_exclude_each_other(alias, tmp_path):
     counter = procs.FileCounter(str(tmp_path / "counter"))
     counter.reset()
     logs = [str(tmp_path / f"log{i}") for i in range(8)]
-    errors: list[BaseException] = []
-
-    def run(log: str) -> None:
-        try:
-            _worker(alias, counter.path, log, 100)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=run, args=(log,)) for log in logs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors and not any(t.is_alive() for t in threads)
+    run_threads(_worker, [(alias, counter.path, log, 100) for log in logs])
     assert counter.read() == 800
     _check_fences(logs, 800)
 

@@ -16,7 +16,7 @@ import django_dlock as dlock
 from django_dlock.strategies.base import close_private_connections
 
 from . import procs
-from .helpers import in_thread, wait_until
+from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -262,23 +262,7 @@ def test_threads_exclude_each_other(db):
     from django_dlock.models import Lock as LockRow
 
     LockRow.objects.using(db).create(name="data:counter", fence=0, expire_at="2000-01-01T00:00:00Z")
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            _db_worker(db, 25)
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            close_private_connections()
-            connections.close_all()
-
-    threads = [threading.Thread(target=run) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors
+    run_threads(_db_worker, [(db, 25)] * 6)
     assert LockRow.objects.using(db).get(name="data:counter").fence == 150
 
 
