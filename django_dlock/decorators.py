@@ -254,9 +254,7 @@ def release_as(lk: Lock, holder: Holder) -> None:
     streaming response is closed by the server after the view returned,
     possibly in another thread.
     """
-    holdings = lk._holdings(holder)
-    if holdings:
-        lk._release_all(holder, holdings)
+    lk.release_for(holder)
 
 
 def _release_in_thread(func: Callable[[], None]) -> None:

@@ -506,6 +506,17 @@ class Lock:
             "`with` block (or the decorated function) instead of calling release()"
         )
 
+    def release_for(self, holder: Holder) -> None:
+        """Release on behalf of ``holder``, the thread or task that acquired it.
+
+        For code that releases elsewhere than it acquired: a streaming
+        response is closed by the server after the view returned, possibly in
+        another thread. Does nothing if ``holder`` holds none of the keys.
+        """
+        holdings = self._holdings(holder)
+        if holdings:
+            self._release_all(holder, holdings)
+
     def _release_all(self, holder: Holder, holdings: Iterable[Holding]) -> None:
         first_error: BaseException | None = None
         for holding in reversed(list(holdings)):
