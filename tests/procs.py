@@ -60,8 +60,11 @@ class FileCounter:
             f.write("0")
 
     def read(self) -> int:
-        with open(self.path) as f:
-            return int(f.read() or 0)
+        try:
+            with open(self.path) as f:
+                return int(f.read() or 0)
+        except FileNotFoundError:
+            return 0
 
     def increment(self, pause: float = 0.0) -> int:
         import time
