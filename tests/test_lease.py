@@ -341,3 +341,33 @@ def test_fences_keep_increasing_when_switching_back_from_fast_durability():
     assert delete_free("default") >= 1  # durable mode again; the row and its history go
     with dlock.lock("switch") as lk:
         assert lk.fence > fast_fence
+
+
+def _prepared_lock_statements() -> int:
+    with connections["default"].cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
+            ["%django_dlock_lock%"],
+        )
+        return int(cur.fetchone()[0])
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_lease_statements_are_prepared_on_postgresql_but_not_behind_pgbouncer():
+    connection = connections["default"]
+    connection.close()
+    with dlock.lock("prepared"):
+        pass
+    assert _prepared_lock_statements() >= 2  # acquire and release, parsed once per session
+    assert connection.connection.prepare_threshold is None  # Django's own queries: unchanged
+
+    connection.close()
+    before = connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS", False)
+    connection.settings_dict["DISABLE_SERVER_SIDE_CURSORS"] = True  # Django's PgBouncer flag
+    try:
+        with dlock.lock("prepared"):
+            pass
+        assert _prepared_lock_statements() == 0
+    finally:
+        connection.settings_dict["DISABLE_SERVER_SIDE_CURSORS"] = before
+        connection.close()
