@@ -62,7 +62,7 @@ from django_dlock import notify, signals
 from django_dlock.exceptions import LockLost, StrategyNotSupported
 from django_dlock.identity import worker
 from django_dlock.keys import Key, make_key
-from django_dlock.strategies.base import Request, close_private_connections
+from django_dlock.strategies.base import Request, close_private_connections, require_postgresql
 
 __all__ = ["LeaderElection", "LeaderRecord", "Leadership", "current_leadership"]
 
@@ -514,11 +514,8 @@ class LeaderElection:
         self.on_started_leading = on_started_leading
         self.on_stopped_leading = on_stopped_leading
         self.on_new_leader = on_new_leader
-        if strategy == "advisory" and connections[self.alias].vendor != "postgresql":
-            raise StrategyNotSupported(
-                "the advisory strategy needs PostgreSQL; database "
-                f"{self.alias!r} is {connections[self.alias].vendor}"
-            )
+        if strategy == "advisory":
+            require_postgresql(strategy, connections[self.alias])
         self._backend: _Backend
         if strategy == "advisory":
             self._backend = _AdvisoryBackend(self._session_lost)

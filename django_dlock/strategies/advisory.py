@@ -52,11 +52,17 @@ from psycopg.types.numeric import Int4, Int8
 
 from django_dlock import sessions
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DLockError, StrategyNotSupported
+from django_dlock.exceptions import DLockError
 from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Grant, Request, fetch_one, lock_connection
+from django_dlock.strategies.base import (
+    Grant,
+    Request,
+    fetch_one,
+    lock_connection,
+    require_postgresql,
+)
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -200,11 +206,7 @@ class AdvisoryStrategy:
     family = "advisory"
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
-        if connection.vendor != "postgresql":
-            raise StrategyNotSupported(
-                f"the advisory strategy needs PostgreSQL; database {connection.alias!r} is "
-                f"{connection.vendor}: use the lease strategy (or row on MySQL/MariaDB)"
-            )
+        require_postgresql(self.name, connection)
 
     # -- acquire ---------------------------------------------------------------
 

@@ -99,6 +99,17 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
     return private
 
 
+def require_postgresql(strategy: str, connection: BaseDatabaseWrapper) -> None:
+    """Refuse ``strategy`` on a database other than PostgreSQL, saying what to use."""
+    if connection.vendor != "postgresql":
+        from django_dlock.exceptions import StrategyNotSupported
+
+        raise StrategyNotSupported(
+            f"the {strategy} strategy needs PostgreSQL; database {connection.alias!r} is "
+            f"{connection.vendor}: use the lease strategy (or row on MySQL/MariaDB)"
+        )
+
+
 def close_private_connections() -> None:
     """Close this thread's private lock connections (if any)."""
     cache: dict[str, BaseDatabaseWrapper] = getattr(_private, "connections", {})

@@ -49,10 +49,16 @@ from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DLockError, StrategyNotSupported
+from django_dlock.exceptions import DLockError
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Grant, Request, fetch_one, lock_connection
+from django_dlock.strategies.base import (
+    Grant,
+    Request,
+    fetch_one,
+    lock_connection,
+    require_postgresql,
+)
 
 #: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
 MAX_LOCK_TIMEOUT_MS = 2_000_000_000
@@ -296,11 +302,7 @@ class AdvisoryXactStrategy(TransactionScoped):
     family = "advisory_xact"
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
-        if connection.vendor != "postgresql":
-            raise StrategyNotSupported(
-                f"the advisory_xact strategy needs PostgreSQL; database {connection.alias!r} "
-                f"is {connection.vendor}: use the lease strategy (or row on MySQL/MariaDB)"
-            )
+        require_postgresql(self.name, connection)
 
     def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
         connection = self.atomic_connection(req)
