@@ -22,18 +22,20 @@ from .pgcluster import PrivateCluster
 ALIAS = "restartable"
 
 
-@pytest.fixture
-def cluster():
+@pytest.fixture(scope="module")
+def cluster(django_db_blocker):
+    # Module scope: the alias must exist before the test case starts (Django 6
+    # refuses connections to an alias that appears during a test).
     cluster = PrivateCluster(fsync="off").create()
     try:
-        with cluster.attached(ALIAS):
+        with django_db_blocker.unblock(), cluster.attached(ALIAS):
             yield cluster
     finally:
         cluster.destroy()
 
 
 @pytest.mark.slow
-@pytest.mark.django_db(transaction=True, databases=["default"])
+@pytest.mark.django_db(transaction=True, databases=["default", ALIAS])
 def test_restart_while_held_and_waited_for(cluster):
     holder = dlock.lock("restart", using=ALIAS, ttl=2.0, renew=True)
     holder.acquire()
