@@ -2,7 +2,7 @@
 
 Options: ``--quick`` (fewer, shorter rounds: a smoke run), ``--rounds``,
 ``--seconds`` (per round), ``--only SECTION`` (repeatable: uncontended,
-handoff, scale, failover), ``--no-write`` (print only).
+handoff, scale, failover, scaling, memory), ``--no-write`` (print only).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ALL = ("uncontended", "handoff", "scale", "failover", "scaling", "memory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,14 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument(
-        "--only", action="append", choices=["uncontended", "handoff", "scale", "failover"]
-    )
+    parser.add_argument("--only", action="append", choices=list(ALL))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds, args.kills = 2, 0.3, 2
-    only = set(args.only or ["uncontended", "handoff", "scale", "failover"])
+    only = set(args.only or ALL)
 
     from .common import ensure_databases, setup_django
 
@@ -36,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import report
 
     sections: dict[str, list[str]] = {}
-    unc, hand, acq, cleanups = {}, [], {}, []
+    unc, hand, acq, cleanups, points = {}, [], {}, [], []
     if "uncontended" in only:
         from . import uncontended
 
@@ -67,15 +66,33 @@ def main(argv: list[str] | None = None) -> int:
             failover.run(args.kills)
         )
 
+    if "scaling" in only:
+        from . import scaling
+
+        print("scaling: N = 1 .. 16 processes ...", file=sys.stderr)
+        counts = (1, 2, 4) if args.quick else scaling.COUNTS
+        points = scaling.run(rounds=1 if args.quick else 2, seconds=args.seconds, counts=counts)
+        sections["5. Scaling: N processes, distinct keys and one hot key"] = [
+            "![scaling chart](img/scaling.png)",
+            "",
+            *report.scaling_table(points),
+        ]
+    if "memory" in only:
+        from . import memory
+
+        print("memory and sessions ...", file=sys.stderr)
+        sections["6. Memory and sessions of one process"] = report.memory_table(memory.run())
+
     sections = {
-        "Targets": report.targets(unc, hand, acq, cleanups),
+        "Targets": report.targets(unc, hand, acq, cleanups, points),
         **sections,
     }
     text = report.markdown(sections, report.meta())
     print(text)
-    if not args.no_write and only == {"uncontended", "handoff", "scale", "failover"}:
+    if not args.no_write and only == set(ALL):
         (ROOT / "docs" / "benchmarks.md").write_text(text)
         report.chart(unc, hand, ROOT / "docs" / "img" / "benchmarks.png")
+        report.scaling_chart(points, ROOT / "docs" / "img" / "scaling.png")
         print("wrote docs/benchmarks.md and docs/img/benchmarks.png", file=sys.stderr)
     return 0
 

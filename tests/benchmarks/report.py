@@ -10,10 +10,10 @@ from typing import Any
 from .common import Series
 from .failover import TIMING, Failover
 from .handoff import Handoff
+from .memory import Memory
 from .scale import Cleanup
+from .scaling import Point
 from .uncontended import FLOORS
-
-ANCHORS = "PERFORMANCE.md (2 vCPU VM, PostgreSQL 15, Redis 7)"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -87,22 +87,32 @@ def failover_table(results: list[Failover]) -> list[str]:
     return lines
 
 
+#: ours (plain user form) vs its floor, uncontended, one client
+FLOOR_TARGETS = {"advisory": 0.90, "lease": 0.90, "advisory_xact": 0.85, "row": 0.85}
+#: ours vs its floor with N processes on distinct keys, at every N
+SCALING_TARGET = 0.85
+
+
 def targets(
-    unc: dict[str, Series], hand: list[Handoff], acq: dict[str, Series], cleanups: list[Cleanup]
+    unc: dict[str, Series],
+    hand: list[Handoff],
+    acq: dict[str, Series],
+    cleanups: list[Cleanup],
+    points: list[Point] | None = None,
 ) -> list[str]:
-    """The targets of issue 6, judged on this run's numbers."""
+    """The targets, judged on this run's numbers."""
     rows: list[tuple[str, str, bool]] = []
 
     def add(target: str, value: float, ok: bool, fmt: str = "{:.2f}x") -> None:
         rows.append((target, fmt.format(value), ok))
 
     if unc:
-        adv, floor = unc["advisory"].rate, unc[FLOORS["advisory"]].rate
-        add("`advisory` >= 0.80x the raw floor", adv / floor, adv / floor >= 0.80)
+        for name, bound in FLOOR_TARGETS.items():
+            ratio = unc[name].rate / unc[FLOORS[name]].rate
+            add(f"`{name}` (a new lock per call) >= {bound:.2f}x its floor", ratio, ratio >= bound)
+        adv, lease = unc["advisory"].rate, unc["lease"].rate
         pg = unc["django-pglock advisory"].rate
         add("`advisory` >= 1.15x django-pglock", adv / pg, adv / pg >= 1.15)
-        lease, lfloor = unc["lease"].rate, unc[FLOORS["lease"]].rate
-        add("`lease` >= 0.85x its raw floor", lease / lfloor, lease / lfloor >= 0.85)
         fast = unc["lease, fast durability"].rate
         add("fast durability vs durable `lease` (about 2x expected)", fast / lease, fast > lease)
     by = {h.name: h for h in hand}
@@ -134,11 +144,119 @@ def targets(
         add("`dlock_cleanup` <= 3x one DELETE", ratio, ratio <= 3.0)
         p99 = cleanups[1].acquire_p99_ms
         add("acquire p99 while `dlock_cleanup` runs < 50 ms", p99, p99 < 50, "{:.1f} ms")
+    for strategy in sorted({p.strategy for p in points or []}):
+        mine = [p for p in points or [] if p.strategy == strategy and p.mode == "distinct keys"]
+        worst = min(mine, key=lambda p: p.ratio)
+        add(
+            f"`{strategy}`, N processes on distinct keys, >= {SCALING_TARGET:.2f}x the floor "
+            f"at every N (worst: N = {worst.processes})",
+            worst.ratio,
+            worst.ratio >= SCALING_TARGET,
+        )
     return [
         "| target | this run | holds |",
         "| --- | ---: | :---: |",
         *(f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in rows),
     ]
+
+
+def scaling_table(points: list[Point]) -> list[str]:
+    from statistics import median
+
+    counts = sorted({p.processes for p in points})
+    lines = [
+        "Aggregate acquire + release pairs per second of all N processes (median of the "
+        "rounds), ours / the floor. Distinct keys: each process its own key, one try. "
+        "One hot key: every process on the same key, waiting.",
+        "",
+        "| strategy | keys | " + " | ".join(f"N = {n}" for n in counts) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in counts) + " |",
+    ]
+    by = {(p.strategy, p.mode, p.processes): p for p in points}
+    for strategy, mode in dict.fromkeys((p.strategy, p.mode) for p in points):
+        cells = []
+        for n in counts:
+            p = by[strategy, mode, n]
+            cells.append(f"{median(p.ours):,.0f} / {median(p.floor):,.0f} ({p.ratio:.2f}x)")
+        lines.append(f"| {strategy} | {mode} | " + " | ".join(cells) + " |")
+    ceiling = max(
+        (median(p.floor) for p in points if p.strategy == "advisory" and p.mode == "distinct keys"),
+        default=float("nan"),
+    )
+    ours = max(
+        (median(p.ours) for p in points if p.strategy == "advisory" and p.mode == "distinct keys"),
+        default=float("nan"),
+    )
+    lines += [
+        "",
+        f"Raw ceiling of PostgreSQL advisory locks on this machine (best N, distinct keys): "
+        f"**{ceiling:,.0f} pairs/s** ({2 * ceiling:,.0f} lock statements/s); ours at its best N: "
+        f"**{ours:,.0f} pairs/s**. Figures of ~50,000 advisory locks per second are often "
+        "quoted; on 2 cores, with the clients on the same machine as the server, the round "
+        "trips bound it well below that.",
+    ]
+    return lines
+
+
+def memory_table(results: list[Memory]) -> list[str]:
+    lines = [
+        "| one process | RSS before MiB | RSS MiB | per lock or waiter KiB | threads "
+        "| PostgreSQL backends |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for m in results:
+        lines.append(
+            f"| {m.name} | {m.rss_before_mib:.1f} | {m.rss_mib:.1f} | {m.per_item_kib:.1f} | "
+            f"{m.threads_before} → {m.threads} | {m.backends} |"
+        )
+    return lines
+
+
+def scaling_chart(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from statistics import median
+
+    import matplotlib.pyplot as plt
+
+    strategies = list(dict.fromkeys(p.strategy for p in points))
+    fig, axes = plt.subplots(1, len(strategies), figsize=(4 * len(strategies), 4.2))
+    for ax, strategy in zip(axes, strategies, strict=True):
+        for mode, style in (("distinct keys", "-"), ("one hot key", ":")):
+            mine = sorted(
+                (p for p in points if p.strategy == strategy and p.mode == mode),
+                key=lambda p: p.processes,
+            )
+            xs = [p.processes for p in mine]
+            ax.plot(
+                xs,
+                [median(p.ours) for p in mine],
+                style,
+                color="#2e86c1",
+                marker="o",
+                label=f"ours, {mode}",
+            )
+            ax.plot(
+                xs,
+                [median(p.floor) for p in mine],
+                style,
+                color="#9e9e9e",
+                marker="s",
+                label=f"floor, {mode}",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_title(strategy)
+        ax.set_xlabel("processes")
+        ax.set_ylim(bottom=0)
+    axes[0].set_ylabel("pairs per second, all processes")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Scaling: django-dlock (blue) vs the least-SQL floor (grey)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> None:
@@ -193,10 +311,16 @@ def markdown(sections: dict[str, list[str]], meta: dict[str, Any]) -> str:
         "",
         "Measured by `python -m tests.benchmarks` in one run, side by side on the same",
         "PostgreSQL and Redis, interleaved round by round (A B A B …); rates are medians",
-        "of the rounds. The machines are noisy (PERFORMANCE.md saw the same row move by",
-        "up to 45 % between two runs): compare the ratios within a run, not absolute",
+        "of the rounds. The machines are noisy (the same row has moved by up to 45 %",
+        "between two identical runs): compare the ratios within a run, not absolute",
         'numbers across runs. Rerun it yourself: `pip install -e ".[dev,bench]" && '
         "python -m tests.benchmarks`.",
+        "",
+        "A *floor* is the least SQL that gives the same guarantee, written by hand in",
+        "`tests/benchmarks/uncontended.py` and run prepared on one psycopg connection;",
+        "*ours* is the lock written the way users write it, `with dlock.lock(key, ...)`",
+        "with a new lock per call (inside `transaction.atomic` for `advisory_xact` and",
+        "`row`), and separately with one `Lock` object reused.",
         "",
         f"Run: {meta['when']} on {meta['machine']}; {meta['versions']}.",
         "",

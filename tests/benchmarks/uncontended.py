@@ -1,4 +1,11 @@
-"""1. Uncontended acquire + release pairs on one connection, one client."""
+"""1. Uncontended acquire + release pairs on one connection, one client.
+
+Ours is measured the way users write it (``with dlock.lock(key, ...)``, a new
+lock per call; inside ``transaction.atomic`` for the transaction-scoped
+strategies) and, separately, with one ``Lock`` object reused. Each floor is
+the least SQL that gives the same guarantee, prepared, on one psycopg
+connection.
+"""
 
 from __future__ import annotations
 
@@ -9,88 +16,132 @@ from .common import Series, interleaved, raw_connection
 
 #: (ours, the raw-psycopg floor it is compared with)
 FLOORS = {
-    "lease": "raw lease upsert + release",
-    "lease, fast durability": "raw lease upsert + release, fast durability",
-    "advisory": "raw pg_try_advisory_lock + unlock",
-    "advisory_xact": "raw BEGIN; pg_try_advisory_xact_lock; COMMIT",
-    "row": "raw BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT",
-    "django-pglock advisory": "raw pg_try_advisory_lock + unlock",
+    "lease": "floor: lease upsert + DELETE",
+    "lease, reused Lock object": "floor: lease upsert + DELETE",
+    "lease, fast durability": "floor: lease upsert + DELETE, synchronous_commit off",
+    "advisory": "floor: pg_try_advisory_lock + unlock",
+    "advisory, reused Lock object": "floor: pg_try_advisory_lock + unlock",
+    "advisory_xact": "floor: BEGIN; pg_try_advisory_xact_lock; COMMIT",
+    "advisory_xact, reused Lock object": "floor: BEGIN; pg_try_advisory_xact_lock; COMMIT",
+    "row": "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT",
+    "row, reused Lock object": "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT",
+    "django-pglock advisory": "floor: pg_try_advisory_lock + unlock",
 }
 
+#: The least SQL that gives a lease: take the row when it is free or expired
+#: (judged on the database clock), with a fencing number from a sequence;
+#: give it back by deleting it. Written here by hand, not taken from
+#: django-dlock, and run prepared on one psycopg connection.
+FLOOR_LEASE_ACQUIRE = """
+INSERT INTO django_dlock_lock AS l (name, token, owner, fence, acquired_at, expire_at)
+VALUES (%s, %s, '', nextval('django_dlock_fence'), now(), now() + interval '60 seconds')
+ON CONFLICT (name) DO UPDATE
+SET token = EXCLUDED.token, fence = EXCLUDED.fence,
+    acquired_at = EXCLUDED.acquired_at, expire_at = EXCLUDED.expire_at
+WHERE l.expire_at <= now()
+RETURNING fence
+"""
+FLOOR_LEASE_RELEASE = "DELETE FROM django_dlock_lock WHERE name = %s AND token = %s"
+FLOOR_ROW_SELECT = "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE NOWAIT"
 
-def _raw_contenders() -> dict[str, Callable[[], Any]]:
-    from django_dlock.strategies import lease as lease_sql
 
-    conn = raw_connection()
+def floor_pairs(conn: Any, key: int, name: str) -> dict[str, Callable[[], None]]:
+    """The raw floors on one psycopg connection (autocommit), for one key.
+
+    ``key`` is an advisory-lock key, ``name`` a lease/row name; the row for
+    ``row`` is created once, up front, as a user's table would have it.
+    """
     conn.execute(
-        "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
-        "VALUES ('lock:bench-row-raw', '', '', 0, now()) ON CONFLICT DO NOTHING"
+        "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+        "VALUES (%s, '', '', 0, now(), now()) ON CONFLICT DO NOTHING",
+        [f"{name}:row"],
     )
+    token = f"floor-{key}"
 
     def advisory() -> None:
-        conn.execute("SELECT pg_try_advisory_lock(%s)", [42], prepare=True).fetchone()
-        conn.execute("SELECT pg_advisory_unlock(%s)", [42], prepare=True).fetchone()
+        conn.execute("SELECT pg_try_advisory_lock(%s)", [key], prepare=True).fetchone()
+        conn.execute("SELECT pg_advisory_unlock(%s)", [key], prepare=True).fetchone()
 
-    def lease(durable: bool) -> Callable[[], None]:
-        acquire, release = lease_sql._PG_ACQUIRE_SQL[durable], lease_sql._PG_RELEASE_SQL[durable]
-        name = f"lock:bench-raw-{durable}"
-
-        def pair() -> None:
-            conn.execute(acquire, [name, "token", "owner", 60.0], prepare=True).fetchone()
-            conn.execute(release, [name, "token"], prepare=True).fetchone()
-
-        return pair
+    def lease() -> None:
+        got = conn.execute(FLOOR_LEASE_ACQUIRE, [name, token], prepare=True).fetchone()
+        if got is None:
+            raise RuntimeError("floor: uncontended lease acquire failed")
+        conn.execute(FLOOR_LEASE_RELEASE, [name, token], prepare=True)
 
     def xact() -> None:
         conn.execute("BEGIN")
-        conn.execute("SELECT pg_try_advisory_xact_lock(%s)", [43], prepare=True).fetchone()
+        conn.execute("SELECT pg_try_advisory_xact_lock(%s)", [key], prepare=True).fetchone()
         conn.execute("COMMIT")
 
     def row() -> None:
         conn.execute("BEGIN")
-        conn.execute(
-            "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE NOWAIT",
-            ["lock:bench-row-raw"],
-            prepare=True,
-        ).fetchone()
+        conn.execute(FLOOR_ROW_SELECT, [f"{name}:row"], prepare=True).fetchone()
         conn.execute("COMMIT")
 
+    return {"lease": lease, "advisory": advisory, "advisory_xact": xact, "row": row}
+
+
+def _raw_contenders() -> dict[str, Callable[[], Any]]:
+    conn = raw_connection()
+    fast = raw_connection()
+    fast.execute("SET synchronous_commit = off")
+    floors = floor_pairs(conn, 42, "lock:bench-floor")
     return {
-        FLOORS["lease"]: lease(True),
-        FLOORS["lease, fast durability"]: lease(False),
-        FLOORS["advisory"]: advisory,
-        FLOORS["advisory_xact"]: xact,
-        FLOORS["row"]: row,
+        FLOORS["lease"]: floors["lease"],
+        FLOORS["lease, fast durability"]: floor_pairs(fast, 44, "lock:bench-floor-fast")["lease"],
+        FLOORS["advisory"]: floors["advisory"],
+        FLOORS["advisory_xact"]: floors["advisory_xact"],
+        FLOORS["row"]: floors["row"],
     }
 
 
-def _ours() -> dict[str, Callable[[], Any]]:
-    from django.conf import settings
+def user_pair(strategy: str, key: str) -> Callable[[], None]:
+    """One pair written the way users write it: a new lock per call."""
     from django.db import transaction
 
     import django_dlock as dlock
 
-    def pair(strategy: str, key: str) -> Callable[[], None]:
-        lk = dlock.lock(key, strategy=strategy, ttl=60)
+    if strategy in ("advisory_xact", "row"):
 
-        def run() -> None:
-            if not lk.acquire(timeout=0):
-                raise RuntimeError(f"{strategy}: uncontended acquire failed")
-            lk.release()
+        def in_transaction() -> None:
+            with transaction.atomic(), dlock.lock(key, strategy=strategy, timeout=0):
+                pass
 
-        return run
+        return in_transaction
 
-    def in_transaction(strategy: str, key: str) -> Callable[[], None]:
-        lk = dlock.lock(key, strategy=strategy)
+    def plain() -> None:
+        with dlock.lock(key, strategy=strategy, ttl=60, timeout=0):
+            pass
 
-        def run() -> None:
+    return plain
+
+
+def reused_pair(strategy: str, key: str) -> Callable[[], None]:
+    """The same pair with one ``Lock`` object built once and reused."""
+    from django.db import transaction
+
+    import django_dlock as dlock
+
+    lk = dlock.lock(key, strategy=strategy, ttl=60, timeout=0)
+    if strategy in ("advisory_xact", "row"):
+
+        def in_transaction() -> None:
             with transaction.atomic(), lk:
                 pass
 
-        return run
+        return in_transaction
 
-    lease = pair("lease", "bench-lease")
-    fast_lease = pair("lease", "bench-lease-fast")
+    def plain() -> None:
+        with lk:
+            pass
+
+    return plain
+
+
+def _ours() -> dict[str, Callable[[], Any]]:
+    from django.conf import settings
+
+    fast_lease = user_pair("lease", "bench-lease-fast")
 
     def fast() -> None:
         # (a plain attribute: override_settings would cost more than a pair)
@@ -100,13 +151,12 @@ def _ours() -> dict[str, Callable[[], Any]]:
         finally:
             settings.DLOCK_LEASE_SYNCHRONOUS_COMMIT = True
 
-    return {
-        "lease": lease,
-        "lease, fast durability": fast,
-        "advisory": pair("advisory", "bench-advisory"),
-        "advisory_xact": in_transaction("advisory_xact", "bench-xact"),
-        "row": in_transaction("row", "bench-row"),
-    }
+    ours: dict[str, Callable[[], Any]] = {}
+    for strategy in ("lease", "advisory", "advisory_xact", "row"):
+        ours[strategy] = user_pair(strategy, f"bench-{strategy}")
+        ours[f"{strategy}, reused Lock object"] = reused_pair(strategy, f"bench-{strategy}-reused")
+    ours["lease, fast durability"] = fast
+    return ours
 
 
 def _others() -> dict[str, Callable[[], Any]]:
