@@ -12,7 +12,10 @@
   in the database; a superuser can end a holder's session after a
   confirmation (``pg_terminate_backend``).
 
-Locks cannot be added or edited here, and full tokens are never shown.
+Locks cannot be added or edited here, and full tokens are never shown: the
+list shows a short prefix, and no URL lookup may filter on the token
+(``?token__startswith=`` would otherwise let a view-only user recover a
+holder's token one character at a time).
 """
 
 from __future__ import annotations
@@ -84,6 +87,10 @@ def compact(value: dt.datetime | None) -> str:
     if timezone.is_aware(value):
         value = timezone.localtime(value)
     return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+#: fields no admin URL may filter, search or sort on
+SECRET_FIELDS = frozenset({"token"})
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -161,6 +168,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return bool(request.user.has_perm("django_dlock.delete_lock"))
 
     # -- list ------------------------------------------------------------------
+
+    def lookup_allowed(self, lookup: str, value: str, request: Any = None) -> bool:
+        """Refuse every URL lookup that reaches the token (a token is a capability).
+
+        Django allows lookups on a model's own fields by default; on the token
+        that is an oracle. The admin answers such a URL with "400 Bad Request".
+        """
+        if any(part.lower() in SECRET_FIELDS for part in lookup.split("__")):
+            return False
+        if request is None:  # Django < 5.0 has no request argument
+            return bool(super().lookup_allowed(lookup, value))  # type: ignore[call-arg]
+        return bool(super().lookup_allowed(lookup, value, request))
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lock]:
         return override.annotate_state(super().get_queryset(request))
