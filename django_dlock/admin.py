@@ -119,15 +119,15 @@ class StateFilter(admin.SimpleListFilter):
 
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    # Fits a 1,280 px window with Django's navigation sidebar open: the expiry
+    # time and the token prefix are on the detail page; long names wrap.
     list_display = (
         "name",
         "state",
         "owner",
         "fence",
         "acquired",
-        "expires",
         "time_left",
-        "token_start",
     )
     list_filter = (StateFilter,)
     search_fields = ("name", "owner")
@@ -188,7 +188,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def state(self, obj: Lock) -> SafeString:
         return badge(override.state_of(bool(obj.db_held), obj.token))  # type: ignore[attr-defined]
 
-    @admin.display(description="time left (database clock)", ordering="expire_at")
+    @admin.display(description="time left", ordering="expire_at")
     def time_left(self, obj: Lock) -> str:
         left = float(obj.db_seconds_left or 0.0)  # type: ignore[attr-defined]
         if obj.db_held:  # type: ignore[attr-defined]
@@ -197,7 +197,10 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description="acquired", ordering="acquired_at")
     def acquired(self, obj: Lock) -> str:
-        return compact(obj.acquired_at)
+        if obj.acquired_at is None:
+            return "—"
+        day, _, clock = compact(obj.acquired_at).partition(" ")
+        return format_html('<span style="white-space:nowrap">{}<br>{}</span>', day, clock)
 
     @admin.display(description="expires", ordering="expire_at")
     def expires(self, obj: Lock) -> str:

@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         rates = measure(alias, args.rounds, args.seconds)
         before, off, on = (statistics.median(rates[k]) for k in ("before", "off", "on"))
         # ratios of the same round (paired): drift between rounds cancels out
-        off_before = statistics.median(a / b for a, b in zip(rates["off"], rates["before"], strict=True))
+        off_before = statistics.median(
+            a / b for a, b in zip(rates["off"], rates["before"], strict=True)
+        )
         on_off = statistics.median(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
         print(
             f"| {label} | {before:,.0f} | {off:,.0f} | {on:,.0f} "
