@@ -136,6 +136,12 @@ def other_locks() -> None:
         acquired_at=now - dt.timedelta(hours=3),
     )
     LockFactory(
+        name="lock:celery:billing.tasks.charge_customer_invoice:8f14e45fceea167a5a36dedd4bea2543",
+        owner="worker-3 pid=4410 thread=MainThread",
+        fence=733,
+        expire_at=now + dt.timedelta(seconds=52),
+    )
+    LockFactory(
         name="lock:sync-catalog",
         owner="worker-2 pid=1502 task=Task-31",
         fence=3907,
