@@ -12,7 +12,10 @@
   in the database; a superuser can end a holder's session after a
   confirmation (``pg_terminate_backend``).
 
-Locks cannot be added or edited here, and full tokens are never shown.
+Locks cannot be added or edited here, and full tokens are never shown: the
+list shows a short prefix, and no URL lookup may filter on the token
+(``?token__startswith=`` would otherwise let a view-only user recover a
+holder's token one character at a time).
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ def compact(value: dt.datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S")
 
 
+#: fields no admin URL may filter, search or sort on
+SECRET_FIELDS = frozenset({"token"})
+
+
 class StateFilter(admin.SimpleListFilter):
     """Held / expired / released, judged on the database clock."""
 
@@ -112,15 +119,15 @@ class StateFilter(admin.SimpleListFilter):
 
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    # Fits a 1,280 px window with Django's navigation sidebar open: the expiry
+    # time and the token prefix are on the detail page; long names wrap.
     list_display = (
         "name",
         "state",
         "owner",
         "fence",
         "acquired",
-        "expires",
         "time_left",
-        "token_start",
     )
     list_filter = (StateFilter,)
     search_fields = ("name", "owner")
@@ -162,6 +169,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     # -- list ------------------------------------------------------------------
 
+    def lookup_allowed(self, lookup: str, value: str, request: Any = None) -> bool:
+        """Refuse every URL lookup that reaches the token (a token is a capability).
+
+        Django allows lookups on a model's own fields by default; on the token
+        that is an oracle. The admin answers such a URL with "400 Bad Request".
+        """
+        if any(part.lower() in SECRET_FIELDS for part in lookup.split("__")):
+            return False
+        if request is None:  # Django < 5.0 has no request argument
+            return bool(super().lookup_allowed(lookup, value))  # type: ignore[call-arg]
+        return bool(super().lookup_allowed(lookup, value, request))
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lock]:
         return override.annotate_state(super().get_queryset(request))
 
@@ -169,7 +188,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def state(self, obj: Lock) -> SafeString:
         return badge(override.state_of(bool(obj.db_held), obj.token))  # type: ignore[attr-defined]
 
-    @admin.display(description="time left (database clock)", ordering="expire_at")
+    @admin.display(description="time left", ordering="expire_at")
     def time_left(self, obj: Lock) -> str:
         left = float(obj.db_seconds_left or 0.0)  # type: ignore[attr-defined]
         if obj.db_held:  # type: ignore[attr-defined]
@@ -178,7 +197,10 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description="acquired", ordering="acquired_at")
     def acquired(self, obj: Lock) -> str:
-        return compact(obj.acquired_at)
+        if obj.acquired_at is None:
+            return "—"
+        day, _, clock = compact(obj.acquired_at).partition(" ")
+        return format_html('<span style="white-space:nowrap">{}<br>{}</span>', day, clock)
 
     @admin.display(description="expires", ordering="expire_at")
     def expires(self, obj: Lock) -> str:

@@ -9,4 +9,7 @@ class DLockConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_dlock import checks  # noqa: F401  (registers the system checks)
+        # checks registers the system checks
+        from django_dlock import checks, metrics  # noqa: F401
+
+        metrics.configure()  # DLOCK_METRICS

@@ -70,3 +70,24 @@ def check_strategy_database(**kwargs: Any) -> list[CheckMessage]:
     from django_dlock.strategies.support import strategy_messages
 
     return strategy_messages()
+
+
+@register(Tags.compatibility)
+def check_metrics(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E040-E041: ``DLOCK_METRICS`` is valid and its client is installed."""
+    from django_dlock.metrics import metrics_error, prometheus_available
+
+    value = getattr(settings, "DLOCK_METRICS", None)
+    problem = metrics_error(value)
+    if problem is not None:
+        hint = 'Set DLOCK_METRICS to None (off) or "prometheus".'
+        return [Error(f"DLOCK_METRICS is invalid: {problem}.", hint=hint, id="dlock.E040")]
+    if value == "prometheus" and not prometheus_available():
+        return [
+            Error(
+                'DLOCK_METRICS = "prometheus" but prometheus_client is not installed.',
+                hint='Install the "prometheus" extra: django-dlock[prometheus].',
+                id="dlock.E041",
+            )
+        ]
+    return []

@@ -28,6 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_LEASE_SYNCHRONOUS_COMMIT": True,
     "DLOCK_MIDDLEWARE_RULES": [],
     "DLOCK_WORKER_JOBS": [],
+    "DLOCK_METRICS": None,
 }
 
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar, cast
 from asgiref.sync import sync_to_async
 from django.db import connections, router
 
-from django_dlock import signals
+from django_dlock import metrics, signals
 from django_dlock.conf import (
     conf,
     retry_interval_error,
@@ -377,6 +377,11 @@ class Lock:
         waits forever, ``0`` tries once); ``blocking=False`` is ``timeout=0``.
         """
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        if metrics.observer is not None:
+            return metrics.observer.acquire(self, deadline, self._acquire)
+        return self._acquire(deadline)
+
+    def _acquire(self, deadline: Deadline) -> bool:
         holder = current_holder()
         alias = self.alias
         strategy = self._strategy(alias)
@@ -400,6 +405,11 @@ class Lock:
     async def aacquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Async :meth:`acquire`: waits without blocking the event loop."""
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        if metrics.observer is not None:
+            return await metrics.observer.aacquire(self, deadline, self._aacquire)
+        return await self._aacquire(deadline)
+
+    async def _aacquire(self, deadline: Deadline) -> bool:
         holder = current_holder()
         alias = self.alias
         strategy = self._strategy(alias)

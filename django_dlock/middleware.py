@@ -27,9 +27,13 @@ request's method applies. Its ``key`` template may use:
 * ``{path}``: ``request.path_info``; ``{method}``: the HTTP method;
 * any other name: the URL kwarg of that name (from resolving the path).
 
-The lock is held while the rest of the middleware chain and the view run,
-and released when the response comes back (streaming responses: when they
-are closed). Contention answers like :func:`~django_dlock.decorators.with_lock`:
+The lock is taken just before the view runs (in ``process_view``, after
+the ``process_view`` of every middleware listed before this one, such as
+``CsrfViewMiddleware``), so a request refused before its view (a failed CSRF
+check, a 404) takes no lock and writes no lease row. Put ``LockMiddleware``
+after ``CsrfViewMiddleware`` (the system check ``dlock.W023`` says so). The
+lock is released when the response comes back (streaming responses: when
+they are closed). Contention answers like :func:`~django_dlock.decorators.with_lock`:
 ``423`` with ``Retry-After`` by default. The 423 body names the rule's
 ``name`` if it has one, else the request path, never the rendered key (which
 may contain a session key).
@@ -70,6 +74,9 @@ from django_dlock.locks import Lock
 __all__ = ["LockMiddleware", "Rule", "check_rules", "compile_rules"]
 
 MIDDLEWARE_PATH = "django_dlock.middleware.LockMiddleware"
+CSRF_MIDDLEWARE = "django.middleware.csrf.CsrfViewMiddleware"
+#: request attribute: the lock taken in process_view and its holder
+HELD_ATTR = "_dlock_middleware_held"
 SESSION_MIDDLEWARE = "django.contrib.sessions.middleware.SessionMiddleware"
 AUTH_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
 
@@ -344,6 +351,9 @@ class LockMiddleware:
         self.async_mode = iscoroutinefunction(get_response)
         if self.async_mode:
             markcoroutinefunction(self)
+            # Django adapts a sync process_view with sync_to_async: another
+            # thread, so another holder. Acquire in the request's own task.
+            self.process_view = self._aprocess_view  # type: ignore[method-assign,assignment]
         self._source: object = None
         self._rules: tuple[Rule, ...] = ()
 
@@ -361,21 +371,52 @@ class LockMiddleware:
                 return rule
         return None
 
-    def __call__(self, request: HttpRequest) -> Any:
-        if self.async_mode:
-            return self.__acall__(request)
+    # The lock is taken in process_view, that is after every middleware listed
+    # before this one has accepted the request (CsrfViewMiddleware refuses in
+    # its process_view): a request refused before its view takes no lock and
+    # writes no lease row. It is released when the response comes back here.
+
+    def process_view(
+        self, request: HttpRequest, view: Callable[..., Any], args: Any, kwargs: Any
+    ) -> HttpResponseBase | None:
         rule = self.match(request)
         lk = None if rule is None else rule.lock(request)
         if rule is None or lk is None:
-            return self.get_response(request)
+            return None
         if not lk.acquire():
             return self._contended(rule, lk, request)
-        holder = current_holder()
+        setattr(request, HELD_ATTR, (lk, current_holder()))
+        return None
+
+    async def _aprocess_view(
+        self, request: HttpRequest, view: Callable[..., Any], args: Any, kwargs: Any
+    ) -> HttpResponseBase | None:
+        rule = self.match(request)
+        if rule is None:
+            return None
+        # Rendering may read the session and the user: ORM work.
+        lk = await sync_to_async(rule.lock)(request) if rule.needs_session else rule.lock(request)
+        if lk is None:
+            return None
+        if not await lk.aacquire():
+            return await self._acontended(rule, lk, request)
+        setattr(request, HELD_ATTR, (lk, current_holder()))
+        return None
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if self.async_mode:
+            return self.__acall__(request)
         try:
             response = self.get_response(request)
         except BaseException as exc:
-            lk.__exit__(type(exc), exc, None)
+            held = request.__dict__.pop(HELD_ATTR, None)
+            if held is not None:
+                held[0].__exit__(type(exc), exc, None)
             raise
+        held = request.__dict__.pop(HELD_ATTR, None)
+        if held is None:
+            return response
+        lk, holder = held
         if _is_streaming(response):
             release_on_close(response, lk, holder)
         else:
@@ -383,22 +424,17 @@ class LockMiddleware:
         return response
 
     async def __acall__(self, request: HttpRequest) -> Any:
-        rule = self.match(request)
-        lk = None
-        if rule is not None:
-            # Rendering may read the session and the user: ORM work.
-            needs_orm = rule.needs_session
-            lk = await sync_to_async(rule.lock)(request) if needs_orm else rule.lock(request)
-        if rule is None or lk is None:
-            return await self.get_response(request)
-        if not await lk.aacquire():
-            return await self._acontended(rule, lk, request)
-        holder = current_holder()
         try:
             response = await self.get_response(request)
         except BaseException as exc:
-            await lk.__aexit__(type(exc), exc, None)
+            held = request.__dict__.pop(HELD_ATTR, None)
+            if held is not None:
+                await held[0].__aexit__(type(exc), exc, None)
             raise
+        held = request.__dict__.pop(HELD_ATTR, None)
+        if held is None:
+            return response
+        lk, holder = held
         if _is_streaming(response):
             release_on_close(response, lk, holder)
         else:
@@ -437,7 +473,7 @@ def _middleware_index(middleware: Iterable[str], path: str) -> int | None:
 
 
 def check_rules() -> list[CheckMessage]:
-    """dlock.E020-E027, dlock.W020-W022: the rules and the middleware's place."""
+    """dlock.E020-E027, dlock.W020-W023: the rules and the middleware's place."""
     raw = getattr(settings, "DLOCK_MIDDLEWARE_RULES", [])
     messages: list[CheckMessage] = []
     problems = rule_problems(raw)
@@ -463,6 +499,17 @@ def check_rules() -> list[CheckMessage]:
                 "does nothing.",
                 hint="Add rules to DLOCK_MIDDLEWARE_RULES, or remove the middleware.",
                 id="dlock.W022",
+            )
+        )
+    csrf = _middleware_index(middleware, CSRF_MIDDLEWARE)
+    if rules and ours is not None and csrf is not None and csrf > ours:
+        messages.append(
+            checks.Warning(
+                "LockMiddleware comes before CsrfViewMiddleware in MIDDLEWARE: a POST that "
+                "fails the CSRF check takes the lock (and writes a lease row) before it is "
+                "refused.",
+                hint=f"Put {MIDDLEWARE_PATH!r} after {CSRF_MIDDLEWARE!r}.",
+                id="dlock.W023",
             )
         )
     for index, rule in enumerate(rules):

@@ -61,7 +61,7 @@ def require_browser() -> None:
         )
 
 
-def in_browser(steps: Any) -> Any:
+def in_browser(steps: Any, width: int = 1600, height: int = 640, sidebar: bool = False) -> Any:
     """Run ``steps(page)`` in headless Chromium, in a thread of its own.
 
     Playwright's sync API runs an event loop in its thread; keeping it off
@@ -73,10 +73,11 @@ def in_browser(steps: Any) -> Any:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
-                page = browser.new_page(viewport={"width": 1600, "height": 640})
-                # a collapsed navigation sidebar leaves the lock list the width
+                page = browser.new_page(viewport={"width": width, "height": height})
+                # the navigation sidebar open (Django's default) or collapsed
                 page.add_init_script(
-                    "localStorage.setItem('django.admin.navSidebarIsOpen', 'false')"
+                    "localStorage.setItem('django.admin.navSidebarIsOpen', "
+                    f"'{'true' if sidebar else 'false'}')"
                 )
                 page.set_default_timeout(30_000)
                 return steps(page)
@@ -85,6 +86,22 @@ def in_browser(steps: Any) -> Any:
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(run).result(timeout=300)
+
+
+#: where the lock list ends, against the window and its scrolling container
+FIT_JS = """() => {
+  const table = document.querySelector('#result_list');
+  const box = table.closest('.results') || table.parentElement;
+  const heads = [...table.querySelectorAll('thead th')]
+    .filter(th => !th.classList.contains('action-checkbox-column'));
+  const cells = [...table.querySelectorAll('th, td')];
+  return {
+    scroll: box.scrollWidth, client: box.clientWidth,
+    right: Math.max(...cells.map(c => c.getBoundingClientRect().right)),
+    page: document.documentElement.scrollWidth,
+    headers: heads.map(th => th.innerText.trim().toLowerCase()),
+  };
+}"""
 
 
 def log_in(page: Any, base: str, username: str, password: str) -> None:
@@ -119,6 +136,12 @@ def other_locks() -> None:
         acquired_at=now - dt.timedelta(hours=3),
     )
     LockFactory(
+        name="lock:celery:billing.tasks.charge_customer_invoice:8f14e45fceea167a5a36dedd4bea2543",
+        owner="worker-3 pid=4410 thread=MainThread",
+        fence=733,
+        expire_at=now + dt.timedelta(seconds=52),
+    )
+    LockFactory(
         name="lock:sync-catalog",
         owner="worker-2 pid=1502 task=Task-31",
         fence=3907,
@@ -145,8 +168,9 @@ def test_force_release_in_a_real_browser(live_server, tmp_path):
         seen: dict[str, Any] = {
             "state_before": row.locator(".dlock-state").inner_text(),
             "page_before": page.content(),
+            "fit": page.evaluate(FIT_JS),
         }
-        page.screenshot(path=str(shot), full_page=True)
+        page.screenshot(path=str(shot))
         row.locator("input.action-select").check()
         page.select_option("select[name=action]", "force_release")
         page.click("button[name=index]")
@@ -160,7 +184,13 @@ def test_force_release_in_a_real_browser(live_server, tmp_path):
         seen["state_after"] = row.locator(".dlock-state").inner_text()
         return seen
 
-    seen = in_browser(steps)
+    seen = in_browser(steps, width=1280, height=900, sidebar=True)
+    fit = seen["fit"]
+    # The whole list fits a 1,280 px window with Django's navigation sidebar
+    # open: no horizontal scrolling, every column inside the window.
+    assert fit["scroll"] <= fit["client"], fit
+    assert fit["right"] <= 1280 and fit["page"] <= 1280, fit
+    assert fit["headers"] == ["name", "state", "owner", "fence", "acquired", "time left"]
     assert "held" in seen["state_before"]
     assert token not in seen["page_before"]  # never the full token
     assert seen["confirm_title"] == "Force-release locks: are you sure?"

@@ -228,3 +228,57 @@ def test_wait_rule_serialises():
             thread.join(60)
     assert results == [200, 200, 200]
     assert PROBE.max_active == 1
+
+
+def _checkout_rows() -> list[str]:
+    from django_dlock.models import Lock as LockRow
+
+    return list(LockRow.objects.filter(name__contains="checkout:").values_list("name", flat=True))
+
+
+def test_a_post_refused_by_csrf_leaves_no_lock_row_and_no_session():
+    from django.contrib.sessions.models import Session
+
+    client = Client(enforce_csrf_checks=True)
+    for _ in range(3):
+        assert client.post("/checkout/").status_code == 403
+    assert _checkout_rows() == []
+    assert Session.objects.count() == 0
+
+
+def test_a_post_with_its_csrf_token_is_locked_as_before():
+    from django.middleware.csrf import get_token
+    from django.test import RequestFactory
+
+    client = Client(enforce_csrf_checks=True)
+    client.get("/checkout/")  # no rule for GET: the view runs unlocked
+    token = get_token(RequestFactory().get("/"))
+    client.cookies[settings.CSRF_COOKIE_NAME] = token
+    assert client.post("/checkout/", {"csrfmiddlewaretoken": token}).status_code == 200
+    session_key = client.cookies[settings.SESSION_COOKIE_NAME].value
+    assert _checkout_rows() == [f"lock:checkout:anon:{session_key}"]
+    with dlock.lock(f"checkout:anon:{session_key}"):
+        refused = in_thread(lambda: client.post("/checkout/", {"csrfmiddlewaretoken": token}))
+        assert refused.status_code == 423
+
+
+def test_an_async_post_refused_by_csrf_leaves_no_lock_row():
+    async def post() -> int:
+        response = await AsyncClient(enforce_csrf_checks=True).post("/checkout/async/")
+        return response.status_code
+
+    assert async_to_sync(post)() == 403
+    assert _checkout_rows() == []
+
+
+def test_lock_middleware_before_csrf_is_reported():
+    from django.core import checks
+
+    from django_dlock.middleware import check_rules
+
+    csrf = "django.middleware.csrf.CsrfViewMiddleware"
+    others = [m for m in settings.MIDDLEWARE if m not in (csrf, LOCK_MIDDLEWARE)]
+    with override_settings(MIDDLEWARE=[*others, LOCK_MIDDLEWARE, csrf]):
+        found = [m for m in check_rules() if m.id == "dlock.W023"]
+    assert len(found) == 1 and found[0].level == checks.WARNING
+    assert "dlock.W023" not in [m.id for m in check_rules()]  # csrf before: fine

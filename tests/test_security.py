@@ -69,3 +69,42 @@ def test_the_token_is_never_shown_in_full():
     for text in [*pages, out.getvalue(), str(row), repr(row), repr(lk)]:
         assert token not in text
     lk.release()
+
+
+def _recover_token(client: Client, alphabet: str, length: int) -> str:
+    """The attack: grow a prefix one character at a time with ``token__startswith``."""
+    found = ""
+    for _ in range(length):
+        for char in alphabet:
+            page = client.get(CHANGELIST, {"token__startswith": found + char})
+            if page.status_code == 200 and "lock:guarded" in page.content.decode():
+                found += char
+                break
+        else:
+            break
+    return found
+
+
+def test_a_view_only_user_cannot_recover_the_token_through_admin_lookups():
+    lk, row = _held()
+    token = lk.token
+    viewer = client_for(make_user("viewer", "view_lock"))
+    alphabet = "".join(sorted(set(token)))  # the attacker's best case: he knows the alphabet
+    assert _recover_token(viewer, alphabet, 3) == ""
+    # No spelling of a lookup on the token gets through, and none is a server error.
+    for query in (
+        {"token": token},
+        {"token__startswith": token[:1]},
+        {"token__gt": ""},
+        {"token__regex": "^."},
+        {"token__exact": token},
+        {"token__in": token},
+        {"token__isnull": "False"},
+        {"token__iexact": token},
+        {"TOKEN__startswith": token[:1]},
+        {"pk__in": str(row.pk), "token__contains": token[:2]},
+    ):
+        response = viewer.get(CHANGELIST, query)
+        shown = "lock:guarded" in response.content.decode()
+        assert response.status_code == 400 or not shown, query
+    lk.release()

@@ -49,3 +49,30 @@ def test_demo_rejects_bad_arguments(tmp_path):
     result = _manage(tmp_path, "dlock_demo", "--rounds", "0")
     assert result.returncode != 0
     assert "--workers and --rounds must be >= 1" in result.stderr
+
+
+@pytest.mark.django_db(transaction=True)
+def test_checkout_form_posts_with_its_csrf_token_and_a_refused_post_leaves_no_row():
+    import re
+
+    from django.conf import settings
+    from django.test import Client, override_settings
+
+    from django_dlock.models import Lock as LockRow
+    from testproject import settings as site
+
+    middleware = [*settings.MIDDLEWARE, "django_dlock.middleware.LockMiddleware"]
+    with override_settings(
+        ROOT_URLCONF="testproject.urls",
+        MIDDLEWARE=middleware,
+        DLOCK_MIDDLEWARE_RULES=site.DLOCK_MIDDLEWARE_RULES,
+    ):
+        browser = Client(enforce_csrf_checks=True)
+        assert browser.post("/checkout/").status_code == 403  # no token: refused
+        assert not LockRow.objects.filter(name__startswith="lock:checkout:").exists()
+        form = browser.get("/checkout/").content.decode()
+        found = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form)
+        assert found is not None, form
+        response = browser.post("/checkout/", {"csrfmiddlewaretoken": found.group(1)})
+        assert response.status_code == 200 and response.json() == {"ordered": True}
+        assert LockRow.objects.filter(name__startswith="lock:checkout:anon:").count() == 1

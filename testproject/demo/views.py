@@ -6,7 +6,9 @@ import asyncio
 import time
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.middleware.csrf import get_token
 from django.utils.decorators import method_decorator
+from django.utils.html import format_html
 from django.views import View
 
 import django_dlock as dlock
@@ -54,7 +56,13 @@ class CheckoutView(View):
     serialises every checkout (a class-based view with ``method_decorator``)."""
 
     def get(self, request: HttpRequest) -> HttpResponse:
-        return HttpResponse('<form method="post">Checkout <button>buy</button></form>')
+        return HttpResponse(
+            format_html(
+                '<form method="post"><input type="hidden" name="csrfmiddlewaretoken" '
+                'value="{}">Checkout <button>buy</button></form>',
+                get_token(request),
+            )
+        )
 
     def post(self, request: HttpRequest) -> JsonResponse:
         time.sleep(0.2)

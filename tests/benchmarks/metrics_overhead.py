@@ -1,0 +1,121 @@
+"""Cost of ``DLOCK_METRICS``: uncontended ``with dlock.lock(k)`` pairs, metrics off vs on vs before.
+
+``python -m tests.benchmarks.metrics_overhead [--rounds 21] [--seconds 0.5]``
+
+* **before**: ``Lock.acquire`` as it was before the metrics hook (no test of
+  ``metrics.observer``), run by a subclass with the old method body;
+* **off**: today's ``Lock`` with ``DLOCK_METRICS = None`` (the default);
+* **on**: today's ``Lock`` with ``DLOCK_METRICS = "prometheus"``.
+
+Rounds are interleaved (before, off, on, before, ...) so that drift on a
+shared machine hits the three alike; the report gives the median rate of
+each and the median of the ratios of the same round. On PostgreSQL
+(``default``, the lease strategy) and on an in-memory SQLite database (no
+network: the relative cost is largest there). Not part of the test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.benchmarks.metrics_settings")
+
+
+def contenders(alias: str) -> dict[str, tuple[Callable[[], None], Any]]:
+    """name -> (pair, settings to run its rounds under)."""
+    import django_dlock as dlock
+    from django_dlock.locks import UNSET
+    from django_dlock.retry import Deadline
+
+    class Before(dlock.Lock):
+        def acquire(self, blocking: bool = True, timeout: Any = UNSET) -> bool:
+            return self._acquire(Deadline(self._resolve_timeout(blocking, timeout)))
+
+    before = Before("bench-metrics", using=alias)
+    now = dlock.lock("bench-metrics", using=alias)
+
+    def run_before() -> None:
+        with before:
+            pass
+
+    def run_now() -> None:
+        with now:
+            pass
+
+    return {
+        "before": (run_before, None),
+        "off": (run_now, None),
+        "on": (run_now, {"DLOCK_METRICS": "prometheus"}),
+    }
+
+
+def measure(alias: str, rounds: int, seconds: float) -> dict[str, list[float]]:
+    from django.test.utils import override_settings
+
+    from .common import Series, run_for
+
+    pairs = contenders(alias)
+    results = {name: Series(name) for name in pairs}
+
+    def scope(options: Any) -> AbstractContextManager[Any]:
+        return nullcontext() if options is None else override_settings(**options)
+
+    for pair, options in pairs.values():  # warm up
+        with scope(options):
+            run_for(pair, 0.3, Series("warmup"))
+    for _ in range(rounds):
+        for name, (pair, options) in pairs.items():
+            with scope(options):
+                run_for(pair, seconds, results[name])
+    return {name: series.rates for name, series in results.items()}
+
+
+def _ensure_databases() -> None:
+    import psycopg
+    from django.conf import settings
+    from django.core.management import call_command
+
+    db = settings.DATABASES["default"]
+    dsn = f"host={db['HOST']} port={db['PORT']} user={db['USER']} dbname=postgres"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [db["NAME"]])
+        if found.fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{db["NAME"]}"')
+    for alias in settings.DATABASES:
+        call_command("migrate", database=alias, verbosity=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.metrics_overhead")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--seconds", type=float, default=0.5)
+    args = parser.parse_args(argv)
+
+    from .common import setup_django
+
+    setup_django()
+    _ensure_databases()
+    print("| database | before | off | on (pairs/s) | off / before | on / off |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for alias, label in (("default", "PostgreSQL"), ("memory", "SQLite (memory)")):
+        rates = measure(alias, args.rounds, args.seconds)
+        before, off, on = (statistics.median(rates[k]) for k in ("before", "off", "on"))
+        # ratios of the same round (paired): drift between rounds cancels out
+        off_before = statistics.median(
+            a / b for a, b in zip(rates["off"], rates["before"], strict=True)
+        )
+        on_off = statistics.median(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
+        print(
+            f"| {label} | {before:,.0f} | {off:,.0f} | {on:,.0f} "
+            f"| {off_before:.3f} | {on_off:.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
