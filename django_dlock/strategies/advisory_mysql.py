@@ -82,7 +82,7 @@ def lock_name(database: str, key_name: str) -> str:
     module docstring). The same in SQL::
 
         CONCAT(LEFT(REGEXP_REPLACE(key_name, '[^A-Za-z0-9:._-]', '_'), 31), '#',
-               LEFT(SHA2(CONCAT(DATABASE(), '/', key_name), 256), 32))
+               LEFT(SHA2(CONCAT(CONVERT(DATABASE() USING utf8mb4), '/', key_name), 256), 32))
     """
     readable = _UNREADABLE.sub("_", key_name[:READABLE_LENGTH])
     digest = hashlib.sha256(f"{database}/{key_name}".encode()).hexdigest()
