@@ -523,3 +523,81 @@ def test_checks_follow_the_lock_database_of_the_router():
     with override_settings(DLOCK_DEFAULT_STRATEGY="advisory_xact", DATABASE_ROUTERS=[router]):
         [message] = check_strategy_database()
         assert message.id == "dlock.E013" and "row" in (message.hint or "")
+
+
+# -- operators: dlock_list, dlock_show ---------------------------------------------------
+
+
+def _server(sql: str) -> list[tuple]:
+    with connections[DB].cursor() as cur:
+        cur.execute(sql)
+        return list(cur.fetchall()) if cur.description else []
+
+
+def _plugin_active() -> bool:
+    return bool(
+        _server(
+            "SELECT 1 FROM information_schema.PLUGINS "
+            "WHERE PLUGIN_NAME = 'METADATA_LOCK_INFO' AND PLUGIN_STATUS = 'ACTIVE'"
+        )
+    )
+
+
+@pytest.fixture
+def metadata_lock_info():
+    """MariaDB's metadata_lock_info plugin, installed for the test if it was not."""
+    installed_here = not _plugin_active()
+    if installed_here:
+        _server("INSTALL SONAME 'metadata_lock_info'")
+    yield
+    if installed_here:
+        _server("UNINSTALL SONAME 'metadata_lock_info'")
+
+
+def _run(*args: str) -> str:
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def test_dlock_list_shows_get_lock_locks_and_dlock_show_the_holder(metadata_lock_info):
+    with mlock("invoice:42") as lk:
+        session = sessions.find(DB, lk.token)
+        assert session is not None
+        out = _run("dlock_list", "--using", DB)
+        assert "Advisory locks (GET_LOCK)" in out
+        [line] = [ln for ln in out.splitlines() if ln.startswith(name_in_server("invoice:42"))]
+        assert line.split()[1:3] == ["held", str(session.backend_pid)]
+        shown = _run("dlock_show", "invoice:42", "--using", DB)
+        assert name_in_server("invoice:42") in shown
+        assert f"held by connection {session.backend_pid}" in shown
+    out = _run("dlock_list", "--using", DB)
+    assert name_in_server("invoice:42") not in out
+    with pytest.raises(Exception, match="no lock named"):
+        _run("dlock_show", "invoice:42", "--using", DB)
+
+
+def test_dlock_list_says_what_it_cannot_show():
+    from django_dlock import override
+
+    if override.user_locks(DB).source == "performance_schema.metadata_locks":
+        with mlock("shown"):  # a server that records user locks shows them there
+            assert name_in_server("shown") in _run("dlock_list", "--using", DB)
+        return
+    reinstall = _plugin_active()
+    if reinstall:
+        _server("UNINSTALL SONAME 'metadata_lock_info'")
+    try:
+        with mlock("hidden"):
+            out = _run("dlock_list", "--using", DB)
+            assert "cannot list them" in out and "IS_USED_LOCK" in out
+            assert "hidden" not in out
+            # one key can still be looked up
+            assert "held by connection" in _run("dlock_show", "hidden", "--using", DB)
+    finally:
+        if reinstall:
+            _server("INSTALL SONAME 'metadata_lock_info'")
