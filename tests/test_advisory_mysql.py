@@ -601,3 +601,25 @@ def test_dlock_list_says_what_it_cannot_show():
     finally:
         if reinstall:
             _server("INSTALL SONAME 'metadata_lock_info'")
+
+
+def test_mysql_w003_is_the_lock_name_column_and_silencing_it_is_enough():
+    # What docs/mysql.md says: Django warns about the unique varchar(300) on
+    # MySQL/MariaDB; with utf8mb4 it is 1,200 bytes, within InnoDB's 3,072.
+    from django.core import checks
+    from django.test.utils import override_settings
+
+    from django_dlock.models import Lock as LockRow
+
+    found = [m for m in checks.run_checks(databases=[DB]) if m.id == "mysql.W003"]
+    assert [m.obj for m in found] == [LockRow._meta.get_field("name")]
+    with override_settings(SILENCED_SYSTEM_CHECKS=["mysql.W003"]):
+        found = [m for m in checks.run_checks(databases=[DB]) if m.id == "mysql.W003"]
+        assert found and all(m.is_silenced() for m in found)
+    with connections[DB].cursor() as cur:
+        cur.execute(
+            "SELECT CHARACTER_SET_NAME, CHARACTER_MAXIMUM_LENGTH FROM information_schema.COLUMNS "
+            "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s AND COLUMN_NAME = 'name'",
+            [LockRow._meta.db_table],
+        )
+        assert cur.fetchone() == ("utf8mb4", 300)
