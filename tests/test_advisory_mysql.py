@@ -490,6 +490,26 @@ def test_refused_before_any_sql(make):
     assert not sessions.holding_sessions()
 
 
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: mlock(""), dlock.InvalidLockKey),
+        (lambda: mlock("k" * 256), dlock.InvalidLockKey),
+        (lambda: mlock((2**31, 1)), dlock.InvalidLockKey),
+        (lambda: mlock("k").acquire(timeout=-1), ValueError),
+        (lambda: mlock("k", timeout=float("nan")), ValueError),
+        (lambda: mlock("k").release(), dlock.LockNotOwned),
+        (lambda: mlock("k").extend(), dlock.LockNotOwned),
+    ],
+    ids=["empty", "too-long", "int4-range", "timeout", "nan", "release", "extend"],
+)
+def test_bad_input_is_a_named_error_before_any_sql(make, error):
+    with CaptureQueriesContext(connections[DB]) as queries, pytest.raises(error) as info:
+        make()
+    assert len(queries) == 0 and str(info.value)
+    assert sessions.find(DB, mlock("k").token) is None  # no connection opened for it
+
+
 def test_advisory_on_sqlite_names_both_databases_that_can():
     with pytest.raises(dlock.StrategyNotSupported, match="PostgreSQL or MySQL/MariaDB"):
         dlock.lock("k", strategy=ADV, using="sqlite").acquire(timeout=0)
