@@ -31,6 +31,8 @@ class ByVendor:
         #: vendor -> "module:attribute", imported on first use
         self.implementations = implementations
         self._loaded: dict[str, Strategy] = {}
+        #: ENGINE setting -> vendor (``connections[alias]`` costs a thread-local lookup)
+        self._vendors: dict[str, str] = {}
 
     def _vendor_names(self) -> str:
         names = {"postgresql": "PostgreSQL", "mysql": "MySQL/MariaDB"}
@@ -47,8 +49,18 @@ class ByVendor:
             found = self._loaded[vendor] = getattr(import_module(module), attribute)
         return found
 
+    def _vendor(self, alias: str) -> str:
+        database = connections.settings.get(alias)
+        if database is None:
+            return connections[alias].vendor  # raises ConnectionDoesNotExist
+        engine = database["ENGINE"]
+        vendor = self._vendors.get(engine)
+        if vendor is None:
+            vendor = self._vendors[engine] = connections[alias].vendor
+        return vendor
+
     def _for(self, alias: str) -> Strategy:
-        vendor = connections[alias].vendor
+        vendor = self._vendor(alias)
         found = self.for_vendor(vendor)
         if found is None:
             raise StrategyNotSupported(
