@@ -643,3 +643,21 @@ def test_mysql_w003_is_the_lock_name_column_and_silencing_it_is_enough():
             [LockRow._meta.db_table],
         )
         assert cur.fetchone() == ("utf8mb4", 300)
+
+
+def test_admin_advisory_page_lists_get_lock_locks(metadata_lock_info):
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.test.utils import override_settings
+    from django.urls import reverse
+
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}._LocksOnMySQL"]), mlock("nightly") as lk:
+        session = sessions.find(DB, lk.token)
+        assert session is not None
+        listing = client.get(reverse("admin:django_dlock_lock_changelist")).content.decode()
+        assert "Advisory locks (MySQL/MariaDB)" in listing
+        page = client.get(reverse("admin:django_dlock_lock_advisory")).content.decode()
+        assert "information_schema.METADATA_LOCK_INFO" in page
+        assert name_in_server("nightly") in page and str(session.backend_pid) in page
