@@ -661,3 +661,24 @@ def test_admin_advisory_page_lists_get_lock_locks(metadata_lock_info):
         page = client.get(reverse("admin:django_dlock_lock_advisory")).content.decode()
         assert "information_schema.METADATA_LOCK_INFO" in page
         assert name_in_server("nightly") in page and str(session.backend_pid) in page
+
+
+def test_a_deadlock_the_server_detects_ends_one_wait(caplog):
+    # Two holders nest two keys in opposite orders: the server ends one wait
+    # (a warning says why), the other goes on.
+    barrier = threading.Barrier(2)
+    outcome: dict[str, str] = {}
+
+    def nest(first: str, second: str) -> None:
+        with mlock(first):
+            barrier.wait(30)
+            try:
+                with mlock(second, timeout=60):
+                    outcome[first] = "both"
+            except dlock.LockTimeout:
+                outcome[first] = "gave up"
+
+    with caplog.at_level("WARNING", logger="django_dlock"):
+        run_threads(nest, [("dl-a", "dl-b"), ("dl-b", "dl-a")])
+    assert sorted(outcome.values()) == ["both", "gave up"]
+    assert "deadlock" in caplog.text
