@@ -204,15 +204,19 @@ class MySQLSession(sessions.Session):
         )
 
     def cancel_wait(self) -> None:
-        """Interrupt a statement running in :meth:`query` (``KILL QUERY``)."""
+        """Interrupt a statement running in :meth:`query` (``KILL QUERY``).
+
+        The kill is sent while the waiting statement is still marked as
+        running (the waiting thread cannot go on to its next statement
+        meanwhile), so it never hits a later statement. If the wait ended in
+        the server just before, the kill finds the connection idle, and the
+        server forgets it when the next statement begins.
+        """
         with self._wait_mutex:
-            if not self._waiting:
-                return
-        sessions.executor().submit(self._kill_query)
+            if self._waiting:
+                self._kill_query()
 
     def _kill_query(self) -> None:
-        # Sent even if the wait ended meanwhile: KILL QUERY on an idle
-        # connection is forgotten when its next statement begins.
         try:
             raw = connect(self.alias)
             try:
