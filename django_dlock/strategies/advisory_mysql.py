@@ -90,8 +90,15 @@ def lock_name(database: str, key_name: str) -> str:
 
 
 def database_name(alias: str) -> str:
-    """The name of the database ``alias`` connects to (part of every lock name)."""
-    return str(connections[alias].settings_dict["NAME"])
+    """The name of the database ``alias`` connects to (part of every lock name).
+
+    ``NAME`` of the alias's settings, else ``OPTIONS["database"]`` or
+    ``OPTIONS["db"]`` (a database named in an option file only counts as
+    ``""``: give it in ``NAME`` so that every process agrees).
+    """
+    database = connections[alias].settings_dict
+    options = database.get("OPTIONS") or {}
+    return str(database.get("NAME") or options.get("database") or options.get("db") or "")
 
 
 def name_of(req: Request) -> str:
