@@ -682,3 +682,17 @@ def test_a_deadlock_the_server_detects_ends_one_wait(caplog):
         run_threads(nest, [("dl-a", "dl-b"), ("dl-b", "dl-a")])
     assert sorted(outcome.values()) == ["both", "gave up"]
     assert "deadlock" in caplog.text
+
+
+def test_a_pooled_connection_killed_while_idle_is_replaced():
+    lk = mlock("pooled")
+    with lk:
+        session = sessions.find(DB, lk.token)
+        assert session is not None
+    pool = sessions.pool(DB, mysql_sessions.MySQLPool)
+    assert session in pool.idle  # given back to the pool, holding nothing
+    kill(session.backend_pid)
+    wait_until(lambda: session.backend_pid not in [r[0] for r in _server("SHOW PROCESSLIST")])
+    with lk:  # the dead one is found out and a new connection takes the lock
+        assert lk.owned()
+        assert holder_id("pooled") != session.backend_pid
