@@ -217,7 +217,9 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         context = {
             **(extra_context or {}),
             **self._clock_context(alias),
-            "dlock_advisory": override.is_postgresql(alias),
+            "dlock_advisory": {"postgresql": "PostgreSQL", "mysql": "MySQL/MariaDB"}.get(
+                connections[alias].vendor, ""
+            ),
         }
         return super().changelist_view(request, extra_context=context)
 
@@ -361,6 +363,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             can_terminate=request.user.is_superuser,
             held=sum(1 for lk in locks if lk.granted),
             waiting=sum(1 for lk in locks if not lk.granted),
+            user_locks=override.user_locks(alias) if override.is_mysql(alias) else None,
         )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/django_dlock/lock/advisory_locks.html", context)

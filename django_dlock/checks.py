@@ -66,7 +66,7 @@ def check_worker_jobs(**kwargs: Any) -> list[CheckMessage]:
 
 @register(Tags.compatibility)
 def check_strategy_database(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E010-E012, W010-W011: the default strategy fits the lock database."""
+    """dlock.E010-E013, W010-W011: the default strategy fits the lock database."""
     from django_dlock.strategies.support import strategy_messages
 
     return strategy_messages()

@@ -482,32 +482,35 @@ _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _executor_mutex = threading.Lock()
 
 
-def pool(alias: str) -> Pool:
+def pool(alias: str, kind: type[Pool] = Pool) -> Pool:
     """The session pool of ``alias`` in this process.
 
     A pool whose connection settings changed (the test runner switching to
     the test database, say) is retired: its idle sessions are closed and
-    its busy ones are closed when they are given back.
+    its busy ones are closed when they are given back. ``kind`` is the pool
+    class (a subclass opens sessions of another database, such as MySQL).
     """
     identity = _settings_identity(alias)
     found = _pools.get(alias)
-    if found is not None and found.identity == identity:
+    if found is not None and found.identity == identity and type(found) is kind:
         return found
     with _pools_mutex:
         found = _pools.get(alias)
-        if found is None or found.identity != identity:
+        if found is None or found.identity != identity or type(found) is not kind:
             if found is not None:
                 found.retired = True
                 found.close_idle()
-            found = _pools[alias] = Pool(alias, identity)
+            found = _pools[alias] = kind(alias, identity)
     return found
 
 
-def session_for(alias: str, token: str, holder: Callable[[], Holder | None]) -> Session:
+def session_for(
+    alias: str, token: str, holder: Callable[[], Holder | None], kind: type[Pool] = Pool
+) -> Session:
     """The dedicated session of the holder with ``token`` on ``alias``."""
     if _dead_tokens:
         _bury_dead_holders()
-    return pool(alias).session_for(token, holder)
+    return pool(alias, kind).session_for(token, holder)
 
 
 def find(alias: str, token: str) -> Session | None:

@@ -349,14 +349,14 @@ def test_decorator_and_skip():
     assert calls == [1]
 
 
-def test_not_supported_on_sqlite_and_mysql():
-    for alias in ("sqlite", "mysql"):
-        with CaptureQueriesContext(connections[alias]) as queries:
-            with pytest.raises(dlock.StrategyNotSupported, match="needs PostgreSQL"):
-                dlock.lock("k", strategy=ADV, using=alias).acquire()
-            with pytest.raises(dlock.StrategyNotSupported):
-                asyncio.run(dlock.lock("k", strategy=ADV, using=alias).aacquire())
-        assert len(queries) == 0
+def test_not_supported_on_sqlite():
+    # (MySQL/MariaDB run it on GET_LOCK: tests/test_advisory_mysql.py)
+    with CaptureQueriesContext(connections["sqlite"]) as queries:
+        with pytest.raises(dlock.StrategyNotSupported, match="needs PostgreSQL"):
+            dlock.lock("k", strategy=ADV, using="sqlite").acquire()
+        with pytest.raises(dlock.StrategyNotSupported):
+            asyncio.run(dlock.lock("k", strategy=ADV, using="sqlite").aacquire())
+    assert len(queries) == 0
 
 
 # -- asyncio ------------------------------------------------------------------------
@@ -644,8 +644,10 @@ def test_check_e010_advisory_needs_postgresql():
 
     for strategy in ("advisory", "advisory_xact"):
         assert [m.id for m in database_messages(strategy, "x", {}, "sqlite")] == ["dlock.E010"]
-        assert [m.id for m in database_messages(strategy, "x", {}, "mysql")] == ["dlock.E010"]
         assert database_messages(strategy, "x", {}, "postgresql") == []
+    # advisory runs on MySQL/MariaDB (GET_LOCK); advisory_xact is dlock.E013 there
+    assert database_messages("advisory", "x", {}, "mysql") == []
+    assert [m.id for m in database_messages("advisory_xact", "x", {}, "mysql")] == ["dlock.E013"]
 
 
 class _LocksOnSqlite:

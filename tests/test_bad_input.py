@@ -82,12 +82,19 @@ def test_bad_ttl_at_extend(alias):
         _untouched(alias, lambda: lk.extend(-5), ValueError)
 
 
-@pytest.mark.parametrize("alias", ["sqlite", "mysql"])
-@pytest.mark.parametrize("strategy", ["advisory", "advisory_xact"])
-def test_strategy_the_database_cannot_do(alias, strategy):
+@pytest.mark.parametrize(
+    ("alias", "strategy", "options"),
+    [
+        ("sqlite", "advisory", {}),
+        ("sqlite", "advisory_xact", {}),
+        ("mysql", "advisory_xact", {}),
+        ("mysql", "advisory", {"shared": True}),  # GET_LOCK has no shared mode
+    ],
+)
+def test_strategy_the_database_cannot_do(alias, strategy, options):
     _untouched(
         alias,
-        lambda: dlock.lock("k", using=alias, strategy=strategy).acquire(timeout=0),
+        lambda: dlock.lock("k", using=alias, strategy=strategy, **options).acquire(timeout=0),
         dlock.StrategyNotSupported,
     )
 

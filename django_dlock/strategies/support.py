@@ -1,10 +1,15 @@
-"""What the lock database can do: system checks for the PostgreSQL strategies.
+"""What the lock database can do: system checks for the advisory and row strategies.
 
-* ``dlock.E010``: ``DLOCK_DEFAULT_STRATEGY`` is ``advisory`` or
-  ``advisory_xact`` and the lock database is not PostgreSQL.
+* ``dlock.E010``: ``DLOCK_DEFAULT_STRATEGY`` is ``advisory`` and the lock
+  database is neither PostgreSQL nor MySQL/MariaDB, or it is
+  ``advisory_xact`` and the lock database is not PostgreSQL (on
+  MySQL/MariaDB that is ``dlock.E013``).
 * ``dlock.E011``: ``DLOCK_DEFAULT_STRATEGY`` is ``row`` and the lock database
   is neither PostgreSQL nor MySQL/MariaDB (SQLite has no row locks).
 * ``dlock.E012``: ``DLOCK_ADVISORY_FENCING`` is not a bool.
+* ``dlock.E013``: ``DLOCK_DEFAULT_STRATEGY`` is ``advisory_xact`` and the
+  lock database is MySQL/MariaDB, which has no transaction-scoped advisory
+  locks (``advisory`` itself runs there, on ``GET_LOCK``).
 * ``dlock.W010``: ``DLOCK_DEFAULT_STRATEGY`` is ``advisory`` and the lock
   database looks like it is reached through PgBouncer
   (``DISABLE_SERVER_SIDE_CURSORS = True`` or port 6432). In transaction
@@ -54,12 +59,32 @@ def database_messages(
 ) -> list[CheckMessage]:
     """The messages for ``strategy`` as the default on the database ``alias``."""
     found: list[CheckMessage] = []
-    if strategy in ("advisory", "advisory_xact") and vendor != "postgresql":
+    if strategy == "advisory" and vendor not in ("postgresql", "mysql"):
         found.append(
             Error(
-                f"DLOCK_DEFAULT_STRATEGY is {strategy!r}, which needs PostgreSQL, but the "
+                "DLOCK_DEFAULT_STRATEGY is 'advisory', which needs PostgreSQL or "
+                f"MySQL/MariaDB, but the lock database {alias!r} is {vendor}.",
+                hint="Use the lease strategy.",
+                id="dlock.E010",
+            )
+        )
+    if strategy == "advisory_xact" and vendor == "mysql":
+        found.append(
+            Error(
+                "DLOCK_DEFAULT_STRATEGY is 'advisory_xact', which needs PostgreSQL: the lock "
+                f"database {alias!r} is MySQL/MariaDB, which has no transaction-scoped "
+                "advisory locks.",
+                hint="Use row (held until the transaction ends) or advisory (GET_LOCK, "
+                "held until released).",
+                id="dlock.E013",
+            )
+        )
+    elif strategy == "advisory_xact" and vendor != "postgresql":
+        found.append(
+            Error(
+                f"DLOCK_DEFAULT_STRATEGY is 'advisory_xact', which needs PostgreSQL, but the "
                 f"lock database {alias!r} is {vendor}.",
-                hint="Use the lease strategy (or row on MySQL/MariaDB).",
+                hint="Use the lease strategy.",
                 id="dlock.E010",
             )
         )
@@ -102,7 +127,7 @@ def database_messages(
 
 
 def strategy_messages() -> list[CheckMessage]:
-    """dlock.E010-E012, W010-W011 for the current settings (see the module docstring)."""
+    """dlock.E010-E013, W010-W011 for the current settings (see the module docstring)."""
     found: list[CheckMessage] = []
     fencing = getattr(settings, "DLOCK_ADVISORY_FENCING", False)
     if not isinstance(fencing, bool):

@@ -1,4 +1,9 @@
-"""``manage.py dlock_list``: the locks held now (lease rows, advisory locks)."""
+"""``manage.py dlock_list``: the locks held now (lease rows, advisory locks).
+
+On MySQL/MariaDB the advisory strategy's ``GET_LOCK`` locks are listed where
+the server shows them (``performance_schema.metadata_locks``, or MariaDB's
+``METADATA_LOCK_INFO`` plugin); otherwise the command says that it cannot.
+"""
 
 from __future__ import annotations
 
@@ -36,8 +41,9 @@ def resolve_alias(using: str | None) -> str:
 
 class Command(BaseCommand):
     help = (
-        "List the locks held now: lease rows (state on the database clock) and, on "
-        "PostgreSQL, advisory locks held or awaited."
+        "List the locks held now: lease rows (state on the database clock) and "
+        "advisory locks (PostgreSQL: held or awaited; MySQL/MariaDB: where the server "
+        "shows them)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -90,3 +96,21 @@ class Command(BaseCommand):
                 headers = ["KEY", "KIND", "STATE", "MODE", "PID", "APPLICATION", "WAITING SINCE"]
                 for line in table(headers, rows):
                     self.stdout.write(line)
+        if override.is_mysql(using):
+            self._user_locks(using)
+
+    def _user_locks(self, using: str) -> None:
+        found = override.user_locks(using)
+        if found.source is None:
+            self.stdout.write(f"Advisory locks in {using!r}: cannot list them: {found.problem}")
+            return
+        self.stdout.write(
+            f"Advisory locks (GET_LOCK) on the server of {using!r}, from {found.source}: "
+            f"{len(found.locks)}"
+        )
+        if found.locks:
+            rows = [
+                [lk.name, lk.state, str(lk.connection_id), lk.user, lk.host] for lk in found.locks
+            ]
+            for line in table(["NAME", "STATE", "CONNECTION", "USER", "HOST"], rows):
+                self.stdout.write(line)

@@ -13,7 +13,8 @@ from django_dlock.management.commands.dlock_list import resolve_alias, seconds_t
 class Command(BaseCommand):
     help = (
         'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
-        "its lease row and, on PostgreSQL, who holds or awaits its advisory key."
+        "its lease row and who holds its advisory lock (PostgreSQL: or awaits it; "
+        "MySQL/MariaDB: IS_USED_LOCK)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -29,7 +30,10 @@ class Command(BaseCommand):
         if override.is_postgresql(using):
             key = override.advisory_key_of(name)
             advisory = [lk for lk in override.advisory_locks(using) if lk.key == (key,)]
-        if lease is None and not advisory:
+        user_lock: tuple[str, int | None] | None = None
+        if override.is_mysql(using):
+            user_lock = override.user_lock_holder(using, name)
+        if lease is None and not advisory and (user_lock is None or user_lock[1] is None):
             raise CommandError(f"no lock named {name!r} in {using!r}")
         if lease is not None:
             acquired = lease.acquired_at
@@ -52,3 +56,6 @@ class Command(BaseCommand):
                 self.stdout.write(
                     f"  {lk.state} {lk.mode} by pid {lk.pid} ({lk.application or 'no name'})"
                 )
+        if user_lock is not None and user_lock[1] is not None:
+            self.stdout.write(f"GET_LOCK name  {user_lock[0]}")
+            self.stdout.write(f"  held by connection {user_lock[1]}")
