@@ -231,7 +231,7 @@ def contention_policy_error(value: object, timeout: object) -> str | None:
 
 
 def options_error(
-    *, timeout: object, ttl: object, strategy: object, using: object
+    *, timeout: object, ttl: object, strategy: object, using: str | None
 ) -> Exception | None:
     """The error for explicit lock options that are invalid, or ``None``.
 
@@ -397,9 +397,9 @@ class _WithLock:
         # (DLOCK_DEFAULT_*) are read and checked at the first call, so that
         # importing a module of decorated views never fails on settings and
         # ``manage.py check`` can report them (dlock.E001-E004).
-        problem = options_error(timeout=timeout, ttl=ttl, strategy=strategy, using=using)
-        if problem is not None:
-            raise problem
+        error = options_error(timeout=timeout, ttl=ttl, strategy=strategy, using=using)
+        if error is not None:
+            raise error
         problem = contention_policy_error(on_contention, timeout)
         if problem is None:
             problem = retry_after_error(retry_after)
