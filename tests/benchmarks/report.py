@@ -13,7 +13,7 @@ from .handoff import Handoff
 from .scale import Cleanup
 from .uncontended import FLOORS
 
-ANCHORS = "PERFORMANCE.md (2 vCPU VM, PostgreSQL 15, Redis 7)"
+ANCHORS = "earlier measurements (2 vCPU VM, PostgreSQL 15, Redis 7)"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -193,7 +193,7 @@ def markdown(sections: dict[str, list[str]], meta: dict[str, Any]) -> str:
         "",
         "Measured by `python -m tests.benchmarks` in one run, side by side on the same",
         "PostgreSQL and Redis, interleaved round by round (A B A B …); rates are medians",
-        "of the rounds. The machines are noisy (PERFORMANCE.md saw the same row move by",
+        "of the rounds. The machines are noisy (earlier runs saw the same row move by",
         "up to 45 % between two runs): compare the ratios within a run, not absolute",
         'numbers across runs. Rerun it yourself: `pip install -e ".[dev,bench]" && '
         "python -m tests.benchmarks`.",
