@@ -264,9 +264,18 @@ def _teardown(namespace: dict[str, Any]) -> None:
 
 SHELLS = ("bash", "sh", "shell", "console")
 
+
+class PythonBlocks(PythonCodeBlockParser):
+    """``python`` blocks through :func:`evaluate_python`; ``>>>`` blocks as doctests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.codeblock_parser = CodeBlockParser("python", evaluate_python)
+
+
 sybil = Sybil(
     parsers=[
-        PythonCodeBlockParser(),
+        PythonBlocks(),
         *(CodeBlockParser(language, evaluate_shell) for language in SHELLS),
         SkipParser(),
     ],
@@ -277,15 +286,13 @@ sybil = Sybil(
     fixtures=["docs_example_db"],
     name="docs",
 )
-# Python blocks go through evaluate_python (top-level await); doctest-style
-# ``>>>`` blocks keep Sybil's doctest evaluator.
-sybil.parsers[0].codeblock_parser._evaluator = evaluate_python  # type: ignore[attr-defined]
 
 pytest_collect_file = sybil.pytest()
 
 
 def is_docs_item(item: pytest.Item) -> bool:
-    return getattr(item, "example", None) is not None and hasattr(item.example, "document")
+    example = getattr(item, "example", None)
+    return example is not None and hasattr(example, "document")
 
 
 def mark_docs_items(items: list[pytest.Item]) -> None:
