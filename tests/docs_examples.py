@@ -178,7 +178,7 @@ def shell_commands(block: str, console: bool) -> list[str]:
             else:
                 continue  # output
         if pending:
-            line = pending + " " + line.lstrip()
+            line = pending.rstrip() + " " + line.lstrip()
             pending = ""
         if line.endswith("\\"):
             pending = line[:-1]
