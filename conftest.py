@@ -15,7 +15,14 @@ from tests.docs_examples import (
     pytest_collect_file,  # noqa: F401  (the Sybil collector)
 )
 
-_docs: dict[str, Any] = {"items": [], "partial": set(), "ran": 0, "failed": 0}
+_docs: dict[str, Any] = {
+    "items": [],
+    "partial": set(),
+    "misplaced": {},
+    "ran": 0,
+    "failed": 0,
+    "skipped": 0,
+}
 
 
 #: Pages whose examples are being rewritten on other branches at the time of
@@ -29,24 +36,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if is_code_example(item) and item.path.name in PENDING_PAGES:
             item.add_marker(pytest.mark.skip(reason="examples rewritten on another branch"))
     _docs["items"] = [item for item in items if is_code_example(item)]
-    _docs["partial"] = {item.nodeid for item in partial_examples(items)}
+    partial, _docs["misplaced"] = partial_examples(items)
+    _docs["partial"] = {item.nodeid for item in partial}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when != "call" or report.nodeid in _docs["partial"]:
+    if report.nodeid in _docs["partial"] or not (
+        report.when == "call" or (report.when == "setup" and report.skipped)
+    ):
         return
     if any(item.nodeid == report.nodeid for item in _docs["items"]):
         if report.passed:
             _docs["ran"] += 1
         elif report.failed:
             _docs["failed"] += 1
+        else:
+            _docs["skipped"] += 1
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _docs["items"]:
         terminalreporter.write_line(
             f"docs examples: {len(_docs['items'])} found, {_docs['ran']} ran and passed, "
-            f"{_docs['failed']} failed, {len(_docs['partial'])} marked partial"
+            f"{_docs['failed']} failed, {len(_docs['partial'])} marked partial, "
+            f"{_docs['skipped']} skipped otherwise"
         )
 
 
@@ -75,6 +88,10 @@ def docs_example_db(
     from django.test import override_settings
 
     from django_dlock.strategies.base import close_private_connections
+
+    problem = _docs["misplaced"].get(request.node.nodeid)
+    if problem is not None:
+        pytest.fail(f"misplaced skip marker: {problem}", pytrace=False)
 
     alias = page_database(request.node.example.document.text)
     try:

@@ -304,23 +304,44 @@ def mark_docs_items(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.django_db(transaction=True, databases=databases))
 
 
-def partial_examples(items: list[pytest.Item]) -> set[pytest.Item]:
-    """The code examples that a ``skip`` marker declares partial."""
+def partial_examples(items: list[pytest.Item]) -> tuple[set[pytest.Item], dict[str, str]]:
+    """The code examples that a ``skip`` marker declares partial, and misplaced markers.
+
+    A ``skip: next`` marker must stand right before the fence it marks: a
+    marker before a block that does not run (``sql``, ``text``) would
+    otherwise silently skip the next runnable example of the page.
+    """
     partial: set[pytest.Item] = set()
-    skipping = once = False
+    misplaced: dict[str, str] = {}
+    marker: pytest.Item | None = None
+    once = False
     for item in items:
         if not is_docs_item(item):
             continue
-        region = item.example.region  # type: ignore[attr-defined]
-        if isinstance(region.parsed, tuple):  # a skip marker: (action, reason)
-            action = region.parsed[0]
-            skipping, once = action in ("start", "next"), action == "next"
-            continue
-        if skipping:
-            partial.add(item)
+        example = item.example  # type: ignore[attr-defined]
+        if marker is not None and marker.example.document is not example.document:  # type: ignore[attr-defined]
             if once:
-                skipping = once = False
-    return partial
+                misplaced[marker.nodeid] = "it is followed by no runnable example"
+            marker, once = None, False
+        if isinstance(example.region.parsed, tuple):  # a skip marker: (action, reason)
+            action = example.region.parsed[0]
+            marker, once = (
+                (item, action == "next") if action in ("start", "next") else (None, False)
+            )
+            continue
+        if marker is not None:
+            if once:
+                between = example.document.text[marker.example.region.end : example.region.start]  # type: ignore[attr-defined]
+                if between.replace("-->", "").strip():
+                    misplaced[marker.nodeid] = (
+                        f"the next runnable example is at line {example.line}, not right "
+                        "after the marker (blocks in sql, text, ... are not run: no marker)"
+                    )
+                marker, once = None, False
+            partial.add(item)
+    if marker is not None and once:
+        misplaced[marker.nodeid] = "it is followed by no runnable example"
+    return partial, misplaced
 
 
 def is_code_example(item: pytest.Item) -> bool:

@@ -90,7 +90,7 @@ def failover_table(results: list[Failover]) -> list[str]:
 def targets(
     unc: dict[str, Series], hand: list[Handoff], acq: dict[str, Series], cleanups: list[Cleanup]
 ) -> list[str]:
-    """The targets of issue 6, judged on this run's numbers."""
+    """The performance targets, judged on this run's numbers."""
     rows: list[tuple[str, str, bool]] = []
 
     def add(target: str, value: float, ok: bool, fmt: str = "{:.2f}x") -> None:
