@@ -4,7 +4,7 @@
 in pyproject.toml; the root ``conftest.py`` wires this module in). Each
 fenced block is one test:
 
-* ``python`` blocks run in order, in one namespace per page, as a user
+* ``python`` (or ``py``) blocks run in order, in one namespace per page, as a user
   would run them one after the other. There is no top-level ``await``:
   show how async code runs (``async def main(): ...`` and
   ``asyncio.run(main())``), as a user's script would.
@@ -35,6 +35,9 @@ application functions the examples call (``charge``, ``ship``,
 ``sync_catalog``, ...). Each accepts any arguments, returns ``None`` and may
 be awaited. Add a name to :data:`STUB_NAMES` when a new example needs one.
 
+An example may run for :data:`EXAMPLE_TIME_LIMIT` seconds (a hang fails
+with ``TimeoutError``).
+
 Examples get transactional access to the page's test database (locks use
 connections of their own, so a test transaction would hide their rows);
 lock rows are deleted after each example.
@@ -42,12 +45,15 @@ lock rows are deleted after each example.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,6 +99,13 @@ STUB_NAMES = [
     "publish",
     "recompute_totals",
     "update_inventory",
+    "send_reminders",
+    "send_email",
+    "generate_report",
+    "export_day",
+    "sync_inventory",
+    "call_external_api",
+    "save_result",
 ]
 
 
@@ -157,8 +170,32 @@ def evaluate_python(example: Example) -> None:
                 "then `asyncio.run(main())`, or mark the block partial"
             ) from None
         raise
-    exec(code, example.namespace)
+    with time_limit(EXAMPLE_TIME_LIMIT, f"{example.path}:{example.line}"):
+        exec(code, example.namespace)
     example.namespace.pop("__builtins__", None)
+
+
+#: seconds an example may run: a docs example is quick, a hang is a bug
+EXAMPLE_TIME_LIMIT = 60
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, where: str) -> Iterator[None]:
+    """Raise ``TimeoutError`` in the main thread after ``seconds``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{where}: the example ran longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 # -- shell ----------------------------------------------------------------------
@@ -239,7 +276,7 @@ def evaluate_shell(example: Example) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=EXAMPLE_TIME_LIMIT,
     )
     if done.returncode != 0:
         raise AssertionError(
@@ -268,14 +305,15 @@ SHELLS = ("bash", "sh", "shell", "console")
 class PythonBlocks(PythonCodeBlockParser):
     """``python`` blocks through :func:`evaluate_python`; ``>>>`` blocks as doctests."""
 
-    def __init__(self) -> None:
+    def __init__(self, language: str = "python") -> None:
         super().__init__()
-        self.codeblock_parser = CodeBlockParser("python", evaluate_python)
+        self.codeblock_parser = CodeBlockParser(language, evaluate_python)
 
 
 sybil = Sybil(
     parsers=[
-        PythonBlocks(),
+        PythonBlocks("python"),
+        PythonBlocks("py"),
         *(CodeBlockParser(language, evaluate_shell) for language in SHELLS),
         SkipParser(),
     ],
