@@ -115,8 +115,7 @@ def test_check_reports_bad_settings_with_a_module_level_lock(tmp_path, settings,
         ("DLOCK_DEFAULT_TTL", 0, ValueError),
     ],
 )
-@pytest.mark.django_db(transaction=True)
-def test_bad_settings_surface_at_the_first_call(setting, value, error, client):
+def test_bad_settings_surface_at_the_first_call(setting, value, error):
     with override_settings(**{setting: value}):
 
         @with_lock("k")
