@@ -43,7 +43,8 @@ from asgiref.sync import async_to_sync
 from django.db import connections
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
-from django_dlock.exceptions import InvalidLockKey, LockTimeout
+from django_dlock.conf import strategy_error, timeout_error, ttl_error
+from django_dlock.exceptions import InvalidLockKey, LockTimeout, StrategyNotSupported
 from django_dlock.identity import Holder, current_holder, current_task
 from django_dlock.keys import make_key
 from django_dlock.locks import Lock
@@ -229,6 +230,29 @@ def contention_policy_error(value: object, timeout: object) -> str | None:
     return None
 
 
+def options_error(
+    *, timeout: object, ttl: object, strategy: object, using: str | None
+) -> Exception | None:
+    """The error for explicit lock options that are invalid, or ``None``.
+
+    Reads no ``DLOCK_*`` setting: only the values given are checked.
+    """
+    if strategy is not None:
+        problem = strategy_error(strategy)
+        if problem is not None:
+            return StrategyNotSupported(problem)
+    for problem in (
+        ttl_error(ttl) if ttl is not None else None,
+        timeout_error(timeout),
+        f"unknown database alias {using!r}"
+        if using is not None and using not in connections
+        else None,
+    ):
+        if problem is not None:
+            return ValueError(problem)
+    return None
+
+
 def retry_after_error(value: object) -> str | None:
     """Return why ``value`` is not a valid ``retry_after`` (None or int >= 0)."""
     if value is None:
@@ -369,7 +393,13 @@ class _WithLock:
             "strategy": strategy,
             "using": using,
         }
-        Lock(None, **self.options)  # validates the options now, not at the first request
+        # Explicit arguments are checked now; values that come from settings
+        # (DLOCK_DEFAULT_*) are read and checked at the first call, so that
+        # importing a module of decorated views never fails on settings and
+        # ``manage.py check`` can report them (dlock.E001-E004).
+        error = options_error(timeout=timeout, ttl=ttl, strategy=strategy, using=using)
+        if error is not None:
+            raise error
         problem = contention_policy_error(on_contention, timeout)
         if problem is None:
             problem = retry_after_error(retry_after)
@@ -553,7 +583,12 @@ def with_lock(
         MissingKeyArgument: the template names an argument that the
             decorated function cannot receive (at decoration), or that a
             call does not have (at the call).
-        ValueError: an option is out of range.
+        ValueError: an option is out of range (at decoration).
+        StrategyNotSupported: ``strategy`` is unknown (at decoration).
+
+    Options left out are read from the ``DLOCK_DEFAULT_*`` settings at the
+    first call, never at decoration: importing a module of decorated views
+    does not fail on a bad setting, and ``manage.py check`` reports it.
     """
     options = _WithLock(
         key,
