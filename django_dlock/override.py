@@ -1,4 +1,4 @@
-"""Manual override for operators (seed 003): inspect and force-release locks.
+"""Manual override for operators: inspect and force-release locks.
 
 Shared by the admin and the operator commands (``dlock_list``,
 ``dlock_show``, ``dlock_release``):

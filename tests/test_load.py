@@ -1,4 +1,4 @@
-"""Mutual exclusion under load, per strategy (issue 6).
+"""Mutual exclusion under load, per strategy.
 
 8 processes x 500 iterations on one hot key, and 8 processes x 500
 iterations spread over 1,000 keys. Inside the lock each process does a
