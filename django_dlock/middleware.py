@@ -477,7 +477,7 @@ def check_rules() -> list[CheckMessage]:
     raw = getattr(settings, "DLOCK_MIDDLEWARE_RULES", [])
     messages: list[CheckMessage] = []
     problems = rule_problems(raw)
-    hint = "See \"Views and middleware\" in the django-dlock documentation (DLOCK_MIDDLEWARE_RULES)."
+    hint = 'See "Views and middleware" in the django-dlock docs (DLOCK_MIDDLEWARE_RULES).'
     messages.extend(Error(message, hint=hint, id=check_id) for check_id, message in problems)
     middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
     ours = _middleware_index(middleware, MIDDLEWARE_PATH)
