@@ -28,7 +28,8 @@ from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 from django_dlock.strategies.support import database_messages
 
-from .helpers import in_thread, wait_until
+from . import pgbouncer
+from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -248,6 +249,96 @@ def test_check_w011_warns_with_djangos_pool(django_pool):
         assert check_strategy_database() == []
 
 
+@pytest.fixture
+def django_pool_of_4():
+    """Django's pool on the default alias: 4 connections, a dry pool fails after 3 s."""
+    wrapper = connections["default"]
+    options = wrapper.settings_dict["OPTIONS"]
+    wrapper.close()
+    options["pool"] = {"min_size": 0, "max_size": 4, "timeout": 3}
+    try:
+        yield
+    finally:
+        connections.close_all()
+        wrapper.close_pool()
+        del options["pool"]
+
+
+def _in_transactions(count: int, body, *, keys) -> list[object]:
+    """``count`` threads, each in a transaction that holds a pooled connection, run ``body``."""
+    from django.db import transaction
+
+    holding = threading.Barrier(count, timeout=30)
+    results: list[object] = [None] * count
+
+    def work(i: int) -> None:
+        with transaction.atomic():
+            query("SELECT 1")  # the transaction holds one of the pool's connections
+            holding.wait()
+            results[i] = body(keys[i])
+
+    run_threads(work, [(i,) for i in range(count)], timeout=120)
+    return results
+
+
+@needs_django_pool
+def test_djangos_pool_threads_in_transactions_lock_different_keys(django_pool_of_4):
+    together = threading.Barrier(4, timeout=30)
+
+    def lock_it(key: str) -> int | None:
+        with dlock.lock(key, timeout=5) as lk:
+            together.wait()  # all four hold their lock at once
+            return lk.fence
+
+    fences = _in_transactions(4, lock_it, keys=[f"pool:{i}" for i in range(4)])
+    assert all(isinstance(f, int) for f in fences)
+
+
+@needs_django_pool
+def test_djangos_pool_threads_in_transactions_lock_the_same_key(django_pool_of_4):
+    inside: list[int] = []
+
+    def lock_it(key: str) -> bool:
+        with dlock.lock(key, timeout=30):
+            inside.append(1)
+            assert len(inside) == 1
+            inside.pop()
+        return True
+
+    assert _in_transactions(4, lock_it, keys=["pool:same"] * 4) == [True] * 4
+
+
+@needs_django_pool
+def test_djangos_pool_dry_a_lock_outside_a_transaction_does_not_wait_for_it(django_pool_of_4):
+    from django.db import transaction
+
+    dry = threading.Barrier(5, timeout=30)
+    done = threading.Event()
+
+    def hold_a_connection(_: int) -> None:
+        with transaction.atomic():
+            query("SELECT 1")
+            dry.wait()
+            done.wait(30)
+
+    holders = [threading.Thread(target=hold_a_connection, args=(i,)) for i in range(4)]
+    for t in holders:
+        t.start()
+    try:
+        dry.wait()  # the pool's four connections are all taken
+
+        def lock_and_check() -> bool:
+            with dlock.lock("pool:dry", timeout=2) as lk:
+                return lk.owned()
+
+        assert in_thread(lock_and_check) is True
+    finally:
+        done.set()
+        for t in holders:
+            t.join(30)
+        connections.close_all()
+
+
 # -- checks -------------------------------------------------------------------------------
 
 
@@ -271,3 +362,39 @@ def test_check_is_registered():
     with override_settings(DLOCK_DEFAULT_STRATEGY="advisory", DLOCK_ADVISORY_FENCING=1):
         found = [m.id for m in checks.run_checks(tags=[checks.Tags.compatibility])]
     assert "dlock.E012" in found
+
+
+# -- PgBouncer ------------------------------------------------------------------------------
+
+BOUNCER = "bouncer"  # transaction mode, pool of 4 server connections
+SESSION_BOUNCER = "bouncer_session"  # session mode
+
+
+@pytest.fixture(scope="module")
+def bouncer(django_db_setup, django_db_blocker):
+    # Module scope: the alias must exist before the test case starts.
+    with django_db_blocker.unblock(), pgbouncer.attached(BOUNCER, "transaction") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def session_bouncer(django_db_setup, django_db_blocker):
+    with django_db_blocker.unblock(), pgbouncer.attached(SESSION_BOUNCER, "session") as running:
+        yield running
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_lease_through_pgbouncer_without_disabling_server_side_cursors(bouncer):
+    # Lease statements are not prepared behind a pooler: no driver errors.
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        for n in range(20):
+            try:
+                with dlock.lock(f"pgb:{i}:{n % 3}", using=BOUNCER, timeout=5):
+                    pass
+            except BaseException as exc:
+                errors.append(exc)
+
+    run_threads(work, [(i,) for i in range(4)])
+    assert errors == []

@@ -78,25 +78,89 @@ _private = threading.local()
 
 
 def lock_connection(alias: str) -> BaseDatabaseWrapper:
-    """The connection a lease statement runs on, committed on its own.
+    """The connection a lock statement runs on, committed on its own.
 
-    That is the thread's own Django connection while it is in autocommit
-    mode. Inside the caller's ``transaction.atomic`` block a lock write must
-    not join the caller's transaction (others would not see it until the
-    caller commits, and a rollback would undo it), so it runs on a private
-    connection of this thread, opened once and reused.
+    * In autocommit mode: the thread's own Django connection, once it is
+      open. A thread whose connection is not open yet, on an alias that uses
+      Django's connection pool, uses its private connection (below) instead
+      of waiting for the pool.
+    * Inside the caller's ``transaction.atomic`` block a lock write must not
+      join the caller's transaction (others would not see it until the
+      caller commits, and a rollback would undo it), so it runs on a
+      **private connection** of this thread, opened once and reused. It
+      never comes from Django's pool (a pool whose connections are all held
+      by transactions that wait for a lock would never hand one out), and
+      with ``DLOCK_DIRECT_DATABASES`` it connects through the alias named
+      there (the same database without a pooler in between).
+    * SQLite inside a transaction: the caller's own connection. SQLite has
+      one writer at a time; a second connection would wait for the caller's
+      own write lock. The lock row is then part of the caller's
+      transaction: others see it when the caller commits (they could not
+      write before that anyway), and a rollback undoes the acquisition.
     """
     connection = connections[alias]
     if not connection.in_atomic_block:
+        if connection.connection is not None or not uses_django_pool(connection):
+            return connection
+    elif connection.vendor == "sqlite":
         return connection
     cache: dict[str, BaseDatabaseWrapper] | None = getattr(_private, "connections", None)
     if cache is None:
         cache = _private.connections = {}
     private = cache.get(alias)
     if private is None:
-        private = connection.copy()
+        private = _private_connection(alias)
         cache[alias] = private
     return private
+
+
+def uses_django_pool(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection``'s alias uses Django's connection pool (Django 5.1+)."""
+    return bool((connection.settings_dict.get("OPTIONS") or {}).get("pool"))
+
+
+def direct_alias(alias: str) -> str:
+    """The alias that reaches ``alias``'s database without a pooler (``DLOCK_DIRECT_DATABASES``)."""
+    from django_dlock.conf import conf
+
+    return conf.DIRECT_DATABASES.get(alias, alias)
+
+
+def _private_connection(alias: str) -> BaseDatabaseWrapper:
+    """A new connection like ``alias``'s (or its direct alias's), outside Django's pool."""
+    source = connections[direct_alias(alias)]
+    private = source.copy(alias)
+    private.settings_dict.setdefault("OPTIONS", {}).pop("pool", None)
+    return private
+
+
+_pooler_mutex = threading.Lock()
+_behind_pooler: dict[tuple[Any, ...], bool] = {}
+
+
+def behind_pooler(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a PostgreSQL connection goes through a pooler such as PgBouncer.
+
+    A pooler answers the client's connection with a cancel key of its own
+    (it must route cancel requests), so the process id in it differs from
+    the server's ``pg_backend_pid()``; a direct connection reports the same
+    pid. Found out once per process and database (one query), then cached.
+    """
+    if connection.vendor != "postgresql":
+        return False
+    settings = connection.settings_dict
+    key = tuple(settings.get(name) for name in ("HOST", "PORT", "NAME", "USER"))
+    found = _behind_pooler.get(key)
+    if found is None:
+        connection.ensure_connection()
+        raw = connection.connection
+        with connection.wrap_database_errors, raw.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            row = cur.fetchone()
+        found = row is not None and int(row[0]) != raw.info.backend_pid
+        with _pooler_mutex:
+            _behind_pooler[key] = found
+    return found
 
 
 def require_postgresql(strategy: str, connection: BaseDatabaseWrapper) -> None:
@@ -163,14 +227,18 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tup
     Django's own psycopg connection: the server parses and plans each lock
     statement once per session instead of at every call (about a quarter of
     an uncontended acquire + release; see the benchmarks). It falls back to
-    Django's cursor when queries are being logged (``DEBUG``), and when
-    ``DISABLE_SERVER_SIDE_CURSORS`` is set, Django's flag for PgBouncer in
-    transaction mode, where prepared statements are not safe.
+    Django's cursor when queries are being logged (``DEBUG``), when
+    ``DISABLE_SERVER_SIDE_CURSORS`` is set (Django's flag for PgBouncer in
+    transaction mode), and when the connection goes through a pooler
+    (:func:`behind_pooler`): a pooler in transaction mode hands the server
+    session to other clients between statements, so a statement prepared on
+    it would be missing, or already there, for the next one.
     """
     if (
         connection.vendor == "postgresql"
         and not connection.queries_logged
         and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
+        and not behind_pooler(connection)
     ):
         return _execute_prepared(connection, sql, params)
     with cursor(connection) as cur:
