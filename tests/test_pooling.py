@@ -214,8 +214,8 @@ def test_djangos_pool_never_hands_a_held_lock_to_the_next_borrower(django_pool):
     assert in_thread(lambda: _try_and_release("pooled")) is True
 
 
-def _try_and_release(key: str, strategy: str = ADV) -> bool:
-    lk = dlock.lock(key, strategy=strategy)
+def _try_and_release(key: str, strategy: str = ADV, using: str = "default") -> bool:
+    lk = dlock.lock(key, strategy=strategy, using=using)
     if lk.acquire(timeout=0):
         lk.release()
         return True
@@ -398,3 +398,49 @@ def test_lease_through_pgbouncer_without_disabling_server_side_cursors(bouncer):
 
     run_threads(work, [(i,) for i in range(4)])
     assert errors == []
+
+
+# -- SQLite inside the caller's transaction -------------------------------------------------
+
+SQLITE = "sqlite"
+
+
+def _write_something() -> None:
+    from django_dlock.models import FenceFloor
+
+    FenceFloor.objects.using(SQLITE).update_or_create(id=1, defaults={"value": 0})
+
+
+def test_sqlite_lock_after_a_write_in_the_callers_transaction():
+    from django.db import transaction
+
+    with transaction.atomic(using=SQLITE):
+        _write_something()  # the caller's connection holds SQLite's write lock
+        with dlock.lock("sq:after-write", using=SQLITE, timeout=1) as lk:
+            assert lk.owned()
+        _write_something()
+    # committed and released: anyone can take it now
+    assert in_thread(lambda: _try_and_release("sq:after-write", "lease", SQLITE)) is True
+
+
+def test_sqlite_held_past_the_commit_and_undone_by_a_rollback():
+    from django.db import transaction
+
+    lk = dlock.lock("sq:kept", using=SQLITE, timeout=1)
+    with transaction.atomic(using=SQLITE):
+        _write_something()
+        assert lk.acquire()
+    # the lease row was committed with the caller's transaction
+    assert in_thread(lambda: dlock.lock("sq:kept", using=SQLITE).acquire(timeout=0)) is False
+    lk.release()
+
+    class Rollback(Exception):
+        pass
+
+    undone = dlock.lock("sq:undone", using=SQLITE, timeout=1)
+    with pytest.raises(Rollback), transaction.atomic(using=SQLITE):
+        _write_something()
+        assert undone.acquire()
+        raise Rollback
+    assert not dlock.lock("sq:undone", using=SQLITE).locked()
+    assert in_thread(lambda: _try_and_release("sq:undone", "lease", SQLITE)) is True
