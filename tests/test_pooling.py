@@ -22,7 +22,7 @@ from django.db import connections
 from django.test.utils import override_settings
 
 import django_dlock as dlock
-from django_dlock import sessions
+from django_dlock import notify, sessions
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
@@ -444,3 +444,49 @@ def test_sqlite_held_past_the_commit_and_undone_by_a_rollback():
         raise Rollback
     assert not dlock.lock("sq:undone", using=SQLITE).locked()
     assert in_thread(lambda: _try_and_release("sq:undone", "lease", SQLITE)) is True
+
+
+def _fresh_listener(alias: str) -> notify.Listener:
+    old = notify._listeners.pop(alias, None)
+    if old is not None:
+        old.stop()
+    found = notify.listener(alias)
+    assert found.wait_ready(10)
+    return found
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_a_listener_behind_pgbouncer_in_transaction_mode_knows_it_cannot_hear(bouncer):
+    listen = _fresh_listener(BOUNCER)
+    try:
+        assert listen.healthy is False  # waiters poll at the retry interval
+    finally:
+        notify._listeners.pop(BOUNCER, None)
+        listen.stop()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_a_direct_listen_connection_wakes_waiters_behind_pgbouncer(bouncer):
+    with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
+        listen = _fresh_listener(BOUNCER)
+        try:
+            assert listen.healthy is True
+            holder = dlock.lock("pgb:wake", using=BOUNCER)
+            holder.acquire()
+            waiter = notify.Waiter()
+            listen.register(make_key("pgb:wake").name, waiter)
+            holder.release()  # through PgBouncer: the NOTIFY reaches the direct listener
+            assert waiter.thread_event.wait(10)
+        finally:
+            notify._listeners.pop(BOUNCER, None)
+            listen.stop()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SESSION_BOUNCER])
+def test_a_listener_behind_pgbouncer_in_session_mode_hears(session_bouncer):
+    listen = _fresh_listener(SESSION_BOUNCER)
+    try:
+        assert listen.healthy is True
+    finally:
+        notify._listeners.pop(SESSION_BOUNCER, None)
+        listen.stop()
