@@ -490,3 +490,47 @@ def test_a_listener_behind_pgbouncer_in_session_mode_hears(session_bouncer):
     finally:
         notify._listeners.pop(SESSION_BOUNCER, None)
         listen.stop()
+
+
+def _advisory_locks_on(key: str) -> int:
+    classid, objid, objsubid = pg_locks_ids(make_key(key))
+    return query(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+        "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s",
+        [classid, objid, objsubid],
+    )[0][0]
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_advisory_through_pgbouncer_in_transaction_mode_is_refused_before_any_lock(bouncer):
+    keys = [f"pgb:adv:{i}" for i in range(4)]
+    refusals: list[BaseException] = []
+
+    def work(i: int) -> None:
+        for _ in range(10):
+            try:
+                with dlock.lock(keys[i], strategy=ADV, using=BOUNCER, timeout=1):
+                    pass
+            except dlock.DLockError as exc:
+                refusals.append(exc)
+            except Exception as exc:  # a driver error: the refusal came too late
+                refusals.append(exc)
+
+    run_threads(work, [(i,) for i in range(4)])
+    assert refusals and all(isinstance(e, sessions.SessionSwitched) for e in refusals), refusals
+    assert "transaction mode" in str(refusals[0])
+    for key in keys:  # nothing stranded on PgBouncer's server sessions
+        assert _advisory_locks_on(key) == 0
+        assert _try_and_release(key) is True  # a direct acquire gets it at once
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SESSION_BOUNCER])
+def test_advisory_through_pgbouncer_in_session_mode_works(session_bouncer):
+    lk = dlock.lock("pgb:adv:session", strategy=ADV, using=SESSION_BOUNCER)
+    assert lk.acquire(timeout=0)
+    try:
+        assert _advisory_locks_on("pgb:adv:session") == 1
+        assert in_thread(lambda: _try_and_release("pgb:adv:session")) is False  # held
+    finally:
+        lk.release()
+    assert _advisory_locks_on("pgb:adv:session") == 0

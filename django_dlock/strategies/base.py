@@ -92,18 +92,65 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
       by transactions that wait for a lock would never hand one out), and
       with ``DLOCK_DIRECT_DATABASES`` it connects through the alias named
       there (the same database without a pooler in between).
-    * SQLite inside a transaction: the caller's own connection. SQLite has
-      one writer at a time; a second connection would wait for the caller's
+    * SQLite inside a transaction that has written: the caller's own
+      connection. SQLite has one writer at a time, and the caller's
+      transaction is it: a second connection would wait for the caller's
       own write lock. The lock row is then part of the caller's
-      transaction: others see it when the caller commits (they could not
-      write before that anyway), and a rollback undoes the acquisition.
+      transaction: others see it when the caller commits (nobody else can
+      write before that anyway), and a rollback undoes the acquisition. A
+      transaction that has not written yet uses the private connection, like
+      on the other databases (:func:`_sqlite_caller_writes`).
     """
     connection = connections[alias]
     if not connection.in_atomic_block:
         if connection.connection is not None or not uses_django_pool(connection):
             return connection
-    elif connection.vendor == "sqlite":
+    elif connection.vendor == "sqlite" and _sqlite_caller_writes(connection, alias):
         return connection
+    return _thread_private(alias)
+
+
+def _sqlite_caller_writes(connection: BaseDatabaseWrapper, alias: str) -> bool:
+    """Whether the caller's SQLite transaction holds the database's write lock.
+
+    The private connection tries to take the write lock without waiting
+    (``BEGIN IMMEDIATE``, then ``ROLLBACK``). When it cannot, the caller's
+    connection tries a write that changes nothing, without waiting either:
+    it succeeds only if no other connection holds the write lock, that is if
+    the caller holds it (or now does: then nobody else can write until the
+    caller's transaction ends, which makes it the only writer all the same).
+    """
+    private = _thread_private(alias)
+    if _sqlite_try_write(private, "BEGIN IMMEDIATE", end="ROLLBACK"):
+        return False
+    return _sqlite_try_write(
+        connection, f"UPDATE {_SQLITE_PROBE_TABLE} SET value = value WHERE 0 = 1", end=None
+    )
+
+
+_SQLITE_PROBE_TABLE = "django_dlock_fencefloor"
+
+
+def _sqlite_try_write(connection: BaseDatabaseWrapper, sql: str, end: str | None) -> bool:
+    """Run ``sql`` with SQLite's busy timeout at 0; False if the database was locked."""
+    connection.ensure_connection()
+    raw = connection.connection
+    (saved,) = raw.execute("PRAGMA busy_timeout").fetchone()
+    raw.execute("PRAGMA busy_timeout = 0")
+    try:
+        raw.execute(sql)
+    except Exception as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return False
+        raise
+    finally:
+        raw.execute(f"PRAGMA busy_timeout = {int(saved)}")
+    if end is not None:
+        raw.execute(end)
+    return True
+
+
+def _thread_private(alias: str) -> BaseDatabaseWrapper:
     cache: dict[str, BaseDatabaseWrapper] | None = getattr(_private, "connections", None)
     if cache is None:
         cache = _private.connections = {}
