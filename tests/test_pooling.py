@@ -534,3 +534,63 @@ def test_advisory_through_pgbouncer_in_session_mode_works(session_bouncer):
     finally:
         lk.release()
     assert _advisory_locks_on("pgb:adv:session") == 0
+
+
+def _exclusive_rounds(alias: str, strategy: str, threads: int, rounds: int, **kwargs) -> None:
+    """``threads`` threads take one key ``rounds`` times each; never two inside at once."""
+    from django.db import transaction
+
+    inside: list[int] = []
+    transactional = strategy in ("row", "advisory_xact")
+
+    def once() -> None:
+        with dlock.lock(f"pgb:{strategy}", strategy=strategy, using=alias, timeout=30):
+            inside.append(1)
+            assert len(inside) == 1
+            inside.pop()
+
+    def work(_: int) -> None:
+        for _round in range(rounds):
+            if transactional:
+                with transaction.atomic(using=alias):
+                    query_on(alias, "SELECT 1")  # the transaction holds a server connection
+                    once()
+            else:
+                once()
+
+    with override_settings(**kwargs):
+        run_threads(work, [(i,) for i in range(threads)])
+
+
+def query_on(alias: str, sql: str) -> list[tuple]:
+    with connections[alias].cursor() as cur:
+        cur.execute(sql)
+        return list(cur.fetchall())
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+@pytest.mark.parametrize("strategy", ["lease", "advisory_xact", "row"])
+def test_pgbouncer_transaction_mode_strategies_exclude(bouncer, strategy):
+    # 3 threads: the pool of 4 has a server connection to spare for the
+    # private connection of a lock taken inside a transaction.
+    _exclusive_rounds(BOUNCER, strategy, threads=3, rounds=15)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+@pytest.mark.parametrize("strategy", ["lease", "row"])
+def test_pgbouncer_pool_held_by_transactions_with_a_direct_alias(bouncer, strategy):
+    # 4 threads in transactions hold all 4 server connections: a lock
+    # statement that must commit on its own goes around PgBouncer.
+    from django.db import transaction
+
+    together = threading.Barrier(4, timeout=30)
+
+    def work(i: int) -> None:
+        with transaction.atomic(using=BOUNCER):
+            query_on(BOUNCER, "SELECT 1")
+            together.wait()
+            with dlock.lock(f"pgb:full:{i}", strategy=strategy, using=BOUNCER, timeout=5):
+                together.wait()
+
+    with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
+        run_threads(work, [(i,) for i in range(4)])
