@@ -74,7 +74,7 @@ class Settings:
 
     @property
     def DIRECT_DATABASES(self) -> dict[str, str]:  # noqa: N802
-        """Alias -> alias of the same database reached without a pooler (dlock.E006)."""
+        """Alias -> alias of the same database reached without a pooler (dlock.E040)."""
         value = self._get("DLOCK_DIRECT_DATABASES")
         return dict(value) if isinstance(value, dict) else {}
 

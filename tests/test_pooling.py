@@ -594,3 +594,35 @@ def test_pgbouncer_pool_held_by_transactions_with_a_direct_alias(bouncer, strate
 
     with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
         run_threads(work, [(i,) for i in range(4)])
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_checks_w040_w041_name_the_fixes_for_a_pooler(bouncer):
+    from django.core import checks
+
+    def ids(alias: str) -> list[str]:
+        return sorted(
+            str(m.id)
+            for m in checks.run_checks(tags=[checks.Tags.database], databases=[alias])
+            if str(m.id).startswith("dlock.")
+        )
+
+    assert ids(BOUNCER) == ["dlock.W040", "dlock.W041"]
+    assert ids("default") == []  # a direct connection
+    settings = connections[BOUNCER].settings_dict
+    settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+    try:
+        with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
+            assert ids(BOUNCER) == []
+    finally:
+        settings["DISABLE_SERVER_SIDE_CURSORS"] = False
+
+
+def test_check_e040_direct_databases():
+    from django_dlock.checks import check_direct_databases
+
+    with override_settings(DLOCK_DIRECT_DATABASES={"default": "sqlite"}):
+        assert check_direct_databases() == []
+    for bad in ({"default": "nope"}, {"default": "default"}, ["default"], {"x": "default"}):
+        with override_settings(DLOCK_DIRECT_DATABASES=bad):
+            assert [m.id for m in check_direct_databases()] == ["dlock.E040"]
