@@ -626,3 +626,71 @@ def test_check_e040_direct_databases():
     for bad in ({"default": "nope"}, {"default": "default"}, ["default"], {"x": "default"}):
         with override_settings(DLOCK_DIRECT_DATABASES=bad):
             assert [m.id for m in check_direct_databases()] == ["dlock.E040"]
+
+
+# -- gunicorn: gthread workers, ATOMIC_REQUESTS, Django's pool ------------------------------
+
+
+@pytest.fixture
+def gunicorn_site():
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = pgbouncer.free_port()
+    command = [
+        sys.executable, "-m", "gunicorn", "tests.gunicorn_app:application",
+        "--worker-class", "gthread", "--workers", "1", "--threads", "4",
+        "--bind", f"127.0.0.1:{port}", "--timeout", "120", "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "DLOCK_TEST_CHILD": "1"}
+    server = subprocess.Popen(command, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/checkout/", timeout=5) as answer:
+                return answer.status == 200
+        except OSError:
+            assert server.poll() is None, "gunicorn exited"
+            return False
+
+    try:
+        wait_until(up, timeout=60)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)
+
+
+def _get_all(urls: list[str]) -> list[int | str]:
+    import urllib.error
+    import urllib.request
+
+    answers: list[int | str] = [0] * len(urls)
+
+    def get(i: int) -> None:
+        try:
+            with urllib.request.urlopen(urls[i], timeout=60) as answer:
+                answers[i] = answer.status
+        except urllib.error.HTTPError as exc:
+            answers[i] = exc.code
+        except OSError as exc:
+            answers[i] = str(exc)
+
+    run_threads(get, [(i,) for i in range(len(urls))])
+    return answers
+
+
+@needs_django_pool
+def test_gunicorn_gthread_atomic_requests_with_djangos_pool(gunicorn_site):
+    # Four requests at once, each in its transaction (all four pooled
+    # connections taken), each locking a different key and holding it
+    # until all four are inside.
+    assert _get_all([f"{gunicorn_site}/together/{n}/" for n in range(4)]) == [200] * 4
+    # Eight requests on one key: they wait their turn (on_contention="wait").
+    assert _get_all([f"{gunicorn_site}/invoice/7/wait/"] * 8) == [200] * 8
