@@ -71,9 +71,12 @@ class PgBouncer:
         if os.geteuid() == 0:  # PgBouncer refuses to run as root
             command[1:1] = ["-u", "postgres"]
             shutil.chown(self.directory, "postgres")
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+        # Output to a file, never a pipe nobody reads: PgBouncer would block
+        # writing its log once the pipe is full.
+        with open(self.directory / "stderr.log", "wb") as stderr:
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+            )
         deadline = time.monotonic() + 30
         while True:
             with (
@@ -90,8 +93,9 @@ class PgBouncer:
     def log(self) -> str:
         path = self.directory / "pgbouncer.log" if self.directory else None
         text = path.read_text() if path and path.exists() else ""
-        if self.process is not None and self.process.poll() is not None and self.process.stderr:
-            text += self.process.stderr.read().decode(errors="replace")
+        stderr = self.directory / "stderr.log" if self.directory else None
+        if stderr is not None and stderr.exists():
+            text += stderr.read_text(errors="replace")
         return text[-4000:]
 
     def stop(self) -> None:
