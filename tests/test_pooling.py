@@ -282,11 +282,12 @@ def _in_transactions(count: int, body, *, keys) -> list[object]:
 
 
 @needs_django_pool
-def test_djangos_pool_threads_in_transactions_lock_different_keys(django_pool_of_4):
+@pytest.mark.parametrize("strategy", ["lease", "row"])
+def test_djangos_pool_threads_in_transactions_lock_different_keys(django_pool_of_4, strategy):
     together = threading.Barrier(4, timeout=30)
 
     def lock_it(key: str) -> int | None:
-        with dlock.lock(key, timeout=5) as lk:
+        with dlock.lock(key, strategy=strategy, timeout=5) as lk:
             together.wait()  # all four hold their lock at once
             return lk.fence
 
@@ -443,6 +444,7 @@ def test_sqlite_held_past_the_commit_and_undone_by_a_rollback():
         assert undone.acquire()
         raise Rollback
     assert not dlock.lock("sq:undone", using=SQLITE).locked()
+    assert not undone.owned()
     assert in_thread(lambda: _try_and_release("sq:undone", "lease", SQLITE)) is True
 
 
