@@ -16,8 +16,9 @@ A listener must be able to *hear*. Behind a pooler in transaction mode
 (PgBouncer) the ``LISTEN`` stays on a server session that the pooler lends
 to other clients, and notifications never reach the listener. So after each
 ``LISTEN`` the listener sends itself a ping (``pg_notify`` from a second,
-short connection) and is healthy only once it hears it; it pings again every
-:data:`PING_INTERVAL` seconds. While it is not healthy, waiters look again
+short connection) and is healthy only once it hears it (a listener that
+cannot hear stays so until it reconnects: the ping is not repeated, so many
+processes do not flood each other). While it is not healthy, waiters look again
 at the retry policy's interval instead of parking. ``DLOCK_DIRECT_DATABASES``
 names an alias that reaches the same database without the pooler; the
 listener then connects through it.
@@ -44,8 +45,6 @@ CHANNEL = "django_dlock"
 PING_PREFIX = "django-dlock-ping:"
 #: seconds a listener waits to hear its own ping
 PING_TIMEOUT = 1.0
-#: seconds between two pings of a listener
-PING_INTERVAL = 30.0
 
 
 class Waiter:
@@ -78,6 +77,7 @@ class Listener:
         self._mutex = threading.Lock()
         self._waiters: dict[str, set[Waiter]] = {}
         self._ready = threading.Event()
+        self._checked = threading.Event()
         self._stopped = threading.Event()
         #: listening and heard its own ping: a release wakes the waiters
         self.healthy = False
@@ -89,6 +89,10 @@ class Listener:
 
     def wait_ready(self, timeout: float) -> bool:
         return self._ready.wait(timeout)
+
+    def wait_checked(self, timeout: float) -> bool:
+        """Wait until the listener knows whether it hears (its first ping came back or not)."""
+        return self._checked.wait(timeout)
 
     def register(self, name: str, waiter: Waiter) -> None:
         with self._mutex:
@@ -132,18 +136,15 @@ class Listener:
             backoff = 0.1
             try:
                 conn.execute(f"LISTEN {CHANNEL}")
-                self._check_hearing(conn)
                 self._ready.set()
                 # Anything released while we were not listening is caught
                 # by the waiters' own re-checks after this wake-up.
                 self._wake(None)
-                next_ping = time.monotonic() + PING_INTERVAL
+                # Until the ping is heard (not healthy), waiters poll.
+                self._check_hearing(conn)
                 while not self._stopped.is_set():
                     for notify in conn.notifies(timeout=1.0):
                         self._wake(notify.payload)
-                    if time.monotonic() >= next_ping:
-                        self._check_hearing(conn)
-                        next_ping = time.monotonic() + PING_INTERVAL
             except Exception as exc:
                 logger.warning("django-dlock: LISTEN connection on %r lost: %s", self.alias, exc)
             finally:
@@ -165,6 +166,7 @@ class Listener:
         if heard:
             self._deaf_reported = False
         self.healthy = heard
+        self._checked.set()
 
     def _ping(self, conn: Any) -> bool:
         """Send ourselves a notification from another connection; whether it arrives."""

@@ -453,7 +453,7 @@ def _fresh_listener(alias: str) -> notify.Listener:
     if old is not None:
         old.stop()
     found = notify.listener(alias)
-    assert found.wait_ready(10)
+    assert found.wait_checked(10)
     return found
 
 
