@@ -696,3 +696,15 @@ def test_gunicorn_gthread_atomic_requests_with_djangos_pool(gunicorn_site):
     assert _get_all([f"{gunicorn_site}/together/{n}/" for n in range(4)]) == [200] * 4
     # Eight requests on one key: they wait their turn (on_contention="wait").
     assert _get_all([f"{gunicorn_site}/invoice/7/wait/"] * 8) == [200] * 8
+
+
+def test_sqlite_lock_after_a_read_in_the_callers_transaction():
+    from django.db import transaction
+
+    from django_dlock.models import FenceFloor
+
+    with transaction.atomic(using=SQLITE):
+        list(FenceFloor.objects.using(SQLITE).all())  # the caller holds a read lock
+        with dlock.lock("sq:after-read", using=SQLITE, timeout=1) as lk:
+            assert lk.owned()
+    assert in_thread(lambda: _try_and_release("sq:after-read", "lease", SQLITE)) is True

@@ -92,14 +92,14 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
       by transactions that wait for a lock would never hand one out), and
       with ``DLOCK_DIRECT_DATABASES`` it connects through the alias named
       there (the same database without a pooler in between).
-    * SQLite inside a transaction that has written: the caller's own
-      connection. SQLite has one writer at a time, and the caller's
-      transaction is it: a second connection would wait for the caller's
-      own write lock. The lock row is then part of the caller's
-      transaction: others see it when the caller commits (nobody else can
-      write before that anyway), and a rollback undoes the acquisition. A
-      transaction that has not written yet uses the private connection, like
-      on the other databases (:func:`_sqlite_caller_writes`).
+    * SQLite inside a transaction that has written (or, outside WAL mode,
+      read): the caller's own connection. SQLite has one writer at a time,
+      and a second connection would wait for the caller's own lock on the
+      database. The lock row is then part of the caller's transaction:
+      others see it when the caller commits (nobody else can write before
+      that anyway), and a rollback undoes the acquisition. A transaction
+      that has not touched the database yet uses the private connection,
+      like on the other databases (:func:`_sqlite_caller_writes`).
     """
     connection = connections[alias]
     if not connection.in_atomic_block:
@@ -111,17 +111,20 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
 
 
 def _sqlite_caller_writes(connection: BaseDatabaseWrapper, alias: str) -> bool:
-    """Whether the caller's SQLite transaction holds the database's write lock.
+    """Whether the caller's SQLite transaction keeps a second connection from writing.
 
-    The private connection tries to take the write lock without waiting
-    (``BEGIN IMMEDIATE``, then ``ROLLBACK``). When it cannot, the caller's
+    The private connection tries to take the database without waiting
+    (``BEGIN EXCLUSIVE``, then ``ROLLBACK``): that fails while another
+    connection writes, and also while one holds a read lock, which (outside
+    WAL mode) would keep the private connection from committing until the
+    caller's transaction ends. When it cannot, the caller's
     connection tries a write that changes nothing, without waiting either:
     it succeeds only if no other connection holds the write lock, that is if
     the caller holds it (or now does: then nobody else can write until the
     caller's transaction ends, which makes it the only writer all the same).
     """
     private = _thread_private(alias)
-    if _sqlite_try_write(private, "BEGIN IMMEDIATE", end="ROLLBACK"):
+    if _sqlite_try_write(private, "BEGIN EXCLUSIVE", end="ROLLBACK"):
         return False
     return _sqlite_try_write(
         connection, f"UPDATE {_SQLITE_PROBE_TABLE} SET value = value WHERE 0 = 1", end=None
