@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from django_dlock.conf import (
     DEFAULTS,
@@ -91,3 +91,68 @@ def check_metrics(**kwargs: Any) -> list[CheckMessage]:
             )
         ]
     return []
+
+
+def check_direct_databases(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E050: ``DLOCK_DIRECT_DATABASES`` maps database aliases to database aliases."""
+    from django_dlock.conf import direct_databases_error
+
+    problem = direct_databases_error(getattr(settings, "DLOCK_DIRECT_DATABASES", {}))
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"DLOCK_DIRECT_DATABASES is invalid: {problem}.",
+            hint="Map the alias that goes through a pooler to an alias of the same database "
+            'that connects directly, e.g. {"default": "direct"}.',
+            id="dlock.E050",
+        )
+    ]
+
+
+@register(Tags.database)
+def check_poolers(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.W050-W051: PostgreSQL databases reached through a pooler (connects; ``--database``)."""
+    from django.db import DatabaseError, connections
+
+    from django_dlock.conf import conf
+    from django_dlock.strategies.base import behind_pooler
+
+    found: list[CheckMessage] = []
+    for alias in kwargs.get("databases") or []:
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        try:
+            pooled = behind_pooler(connection)
+        except DatabaseError:
+            continue  # unreachable: Django's own checks say so
+        if not pooled:
+            continue
+        if not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+            found.append(
+                Warning(
+                    f"The database {alias!r} is reached through a connection pooler (such as "
+                    "PgBouncer) and DISABLE_SERVER_SIDE_CURSORS is not set. In transaction "
+                    "mode, server-side cursors and prepared statements fail or land on "
+                    "another client's session.",
+                    hint=f"Set DISABLE_SERVER_SIDE_CURSORS = True in DATABASES[{alias!r}] "
+                    "(django-dlock then prepares nothing either).",
+                    id="dlock.W050",
+                )
+            )
+        if alias not in conf.DIRECT_DATABASES:
+            found.append(
+                Warning(
+                    f"The database {alias!r} is reached through a connection pooler and "
+                    "DLOCK_DIRECT_DATABASES names no direct route to it. In transaction mode "
+                    "LISTEN cannot hear releases (lease waiters poll at the retry interval), "
+                    "and a lock taken inside a transaction needs a server connection beside "
+                    "the ones transactions hold.",
+                    hint=f"Add an alias that connects to PostgreSQL directly and set "
+                    f'DLOCK_DIRECT_DATABASES = {{{alias!r}: "<that alias>"}}, or size the '
+                    "pooler's pool above the number of concurrent transactions that lock.",
+                    id="dlock.W051",
+                )
+            )
+    return found

@@ -5,8 +5,14 @@ holds many row locks, and a batch never deletes a live lease: the
 ``DELETE`` re-checks ``expire_at`` on the database clock for every row, so a
 row re-acquired between the batch's selection and its deletion is kept.
 
+A run is bounded by what was free when it started: :func:`delete_free` reads
+a cutoff from the database clock once (now minus ``older_than``) and every
+batch deletes only rows whose lease ended before it. Locks released while
+the run goes on end after the cutoff, so a run under steady load finishes
+after the rows that were free at its start, instead of chasing new ones.
+
 * PostgreSQL: each batch is one ``DELETE`` addressed by ``ctid`` (no index
-  scan per row; see PERFORMANCE.md, lesson 5). Fencing numbers come from the
+  scan per row). Fencing numbers come from the
   ``django_dlock_fence`` sequence, so deleting rows loses nothing, except
   for the clock-based numbers of the fast durability mode, which can be
   above the sequence: when the mode is on, or a row's number is above the
@@ -14,28 +20,34 @@ row re-acquired between the batch's selection and its deletion is kept.
   sequence above the highest number it deletes.
 * SQLite, MySQL/MariaDB: each batch is one short transaction that first
   raises ``FenceFloor`` to the highest fencing number it deletes, so a key
-  acquired again later starts above every number issued before.
+  acquired again later starts above every number issued before. On SQLite
+  the transaction starts with ``BEGIN IMMEDIATE``, which waits (up to the
+  database's ``timeout`` option) for the write lock; a batch that still
+  finds the database locked is tried again until that timeout has passed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 
 from django_dlock import dbclock
 
 TABLE = "django_dlock_lock"
 FLOOR = "django_dlock_fencefloor"
 
-# One batch: delete by ctid, re-checking expiry on the database clock.
+# One batch: delete by ctid, re-checking expiry against the run's cutoff
+# (a time on the database clock, in the past: such a lease has ended).
 _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}
 WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {TABLE}
-        WHERE expire_at <= statement_timestamp() - %s * interval '1 second'
+        WHERE expire_at <= %s
         LIMIT %s))
-  AND expire_at <= statement_timestamp() - %s * interval '1 second'
+  AND expire_at <= %s
 """
 
 # The same batch, also raising the fence sequence above every number it
@@ -66,6 +78,16 @@ def _pg_fences_ahead(using: str) -> bool:
     return bool(row and row[0])
 
 
+def cutoff(using: str, older_than: float = 0.0) -> Any:
+    """Now minus ``older_than`` seconds on the database clock (a run's bound)."""
+    connection = connections[using]
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT {dbclock.now_plus_sql(connection)}", [-older_than])
+        row = cur.fetchone()
+    assert row is not None
+    return row[0]
+
+
 def count_free(using: str, older_than: float = 0.0) -> int:
     """How many rows a cleanup with ``older_than`` would delete now."""
     connection = connections[using]
@@ -77,24 +99,32 @@ def count_free(using: str, older_than: float = 0.0) -> int:
 
 
 def delete_batch(
-    using: str, batch_size: int, older_than: float = 0.0, *, fences_ahead: bool | None = None
+    using: str,
+    batch_size: int,
+    older_than: float = 0.0,
+    *,
+    fences_ahead: bool | None = None,
+    before: Any = None,
 ) -> int:
     """Delete up to ``batch_size`` rows free for at least ``older_than`` seconds.
 
     ``fences_ahead`` (PostgreSQL): whether rows may carry fencing numbers
     above the fence sequence, so that the batch must raise the sequence over
-    what it deletes; ``None`` finds out (one query). Returns the number of
-    rows deleted (0 when nothing is left).
+    what it deletes; ``None`` finds out (one query). ``before``: a
+    :func:`cutoff` to use instead of now minus ``older_than``. Returns the
+    number of rows deleted (0 when nothing is left).
     """
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     if older_than < 0:
         raise ValueError("older_than must be >= 0")
+    if before is None:
+        before = cutoff(using, older_than)
     connection = connections[using]
     if connection.vendor == "postgresql":
         if fences_ahead is None:
             fences_ahead = _pg_fences_ahead(using)
-        params = [older_than, batch_size, older_than]
+        params = [before, batch_size, before]
         with connection.cursor() as cur:
             if not fences_ahead:
                 cur.execute(_PG_PLAIN_BATCH, params)
@@ -102,39 +132,67 @@ def delete_batch(
             cur.execute(_PG_BATCH, params)
             row = cur.fetchone()
             return int(row[0]) if row else 0
-    return _generic_batch(using, batch_size, older_than)
-
-
-def _generic_batch(using: str, batch_size: int, older_than: float) -> int:
-    connection = connections[using]
-    cutoff = dbclock.now_plus_sql(connection)
-    lock_floor = " FOR UPDATE" if connection.vendor == "mysql" else ""
+    if connection.vendor == "sqlite" and not connection.in_atomic_block:
+        return _sqlite_batch(using, batch_size, before)
     with transaction.atomic(using=using), connection.cursor() as cur:
-        # On MySQL the floor row lock orders us with acquirers that insert
-        # new rows (they read the floor with LOCK IN SHARE MODE). On SQLite
-        # the first write below takes the database's write lock.
-        cur.execute(f"SELECT value FROM {FLOOR} WHERE id = 1{lock_floor}")
-        row = cur.fetchone()
-        floor = int(row[0]) if row else None
-        cur.execute(
-            f"SELECT id, fence FROM {TABLE} WHERE expire_at <= {cutoff} ORDER BY id LIMIT %s",
-            [-older_than, batch_size],
-        )
-        rows = cur.fetchall()
-        if not rows:
-            return 0
-        ids = [r[0] for r in rows]
-        highest = max(int(r[1]) for r in rows)
-        if floor is None:
-            cur.execute(f"INSERT INTO {FLOOR} (id, value) VALUES (1, %s)", [highest])
-        elif highest > floor:
-            cur.execute(f"UPDATE {FLOOR} SET value = %s WHERE id = 1", [highest])
-        marks = ", ".join(["%s"] * len(ids))
-        cur.execute(
-            f"DELETE FROM {TABLE} WHERE id IN ({marks}) AND expire_at <= {cutoff}",
-            [*ids, -older_than],
-        )
-        return int(cur.rowcount)
+        return _generic_batch(cur, connection.vendor, batch_size, before)
+
+
+def _generic_batch(cur: Any, vendor: str, batch_size: int, before: Any) -> int:
+    # On MySQL the floor row lock orders us with acquirers that insert new
+    # rows (they read the floor with LOCK IN SHARE MODE). On SQLite the
+    # transaction holds the database's write lock from its start.
+    lock_floor = " FOR UPDATE" if vendor == "mysql" else ""
+    cur.execute(f"SELECT value FROM {FLOOR} WHERE id = 1{lock_floor}")
+    row = cur.fetchone()
+    floor = int(row[0]) if row else None
+    cur.execute(
+        f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s ORDER BY id LIMIT %s",
+        [before, batch_size],
+    )
+    rows = cur.fetchall()
+    if not rows:
+        return 0
+    ids = [r[0] for r in rows]
+    highest = max(int(r[1]) for r in rows)
+    if floor is None:
+        cur.execute(f"INSERT INTO {FLOOR} (id, value) VALUES (1, %s)", [highest])
+    elif highest > floor:
+        cur.execute(f"UPDATE {FLOOR} SET value = %s WHERE id = 1", [highest])
+    marks = ", ".join(["%s"] * len(ids))
+    cur.execute(f"DELETE FROM {TABLE} WHERE id IN ({marks}) AND expire_at <= %s", [*ids, before])
+    return int(cur.rowcount)
+
+
+def _sqlite_busy_timeout(using: str) -> float:
+    """The ``timeout`` option of a SQLite alias (seconds; Python's default is 5)."""
+    options = connections[using].settings_dict.get("OPTIONS") or {}
+    value = options.get("timeout", 5.0)
+    return float(value) if isinstance(value, (int, float)) else 5.0
+
+
+def _sqlite_batch(using: str, batch_size: int, before: Any) -> int:
+    """One batch in a ``BEGIN IMMEDIATE`` transaction, tried again while the database is busy."""
+    connection = connections[using]
+    deadline = time.monotonic() + _sqlite_busy_timeout(using)
+    pause = 0.01
+    while True:
+        with connection.cursor() as cur:
+            try:
+                cur.execute("BEGIN IMMEDIATE")
+            except OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, 0.5)
+                continue
+            try:
+                deleted = _generic_batch(cur, "sqlite", batch_size, before)
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+            return deleted
 
 
 def delete_free(
@@ -144,15 +202,20 @@ def delete_free(
     older_than: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
-    """Delete every row free for at least ``older_than`` seconds, in batches.
+    """Delete every row that was free for at least ``older_than`` seconds when the run began.
 
-    ``progress(batch_deleted, total_so_far)`` is called after each batch.
-    Returns the total number of rows deleted.
+    The run reads its :func:`cutoff` once, so rows freed while it goes on
+    are left for the next run: it finishes under load. ``progress(batch_deleted,
+    total_so_far)`` is called after each batch. Returns the total number of
+    rows deleted.
     """
     total = 0
     fences_ahead = _pg_fences_ahead(using) if connections[using].vendor == "postgresql" else None
+    before = cutoff(using, older_than)
     while True:
-        deleted = delete_batch(using, batch_size, older_than, fences_ahead=fences_ahead)
+        deleted = delete_batch(
+            using, batch_size, older_than, fences_ahead=fences_ahead, before=before
+        )
         if deleted == 0:
             return total
         total += deleted

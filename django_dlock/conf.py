@@ -29,6 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_MIDDLEWARE_RULES": [],
     "DLOCK_WORKER_JOBS": [],
     "DLOCK_METRICS": None,
+    "DLOCK_DIRECT_DATABASES": {},
 }
 
 
@@ -71,6 +72,12 @@ class Settings:
     def WORKER_JOBS(self) -> object:  # noqa: N802
         """Jobs of ``manage.py runworker`` (validated by dlock.E030-E033)."""
         return self._get("DLOCK_WORKER_JOBS")
+
+    @property
+    def DIRECT_DATABASES(self) -> dict[str, str]:  # noqa: N802
+        """Alias -> alias of the same database reached without a pooler (dlock.E050)."""
+        value = self._get("DLOCK_DIRECT_DATABASES")
+        return dict(value) if isinstance(value, dict) else {}
 
 
 conf = Settings()
@@ -128,4 +135,19 @@ def strategy_error(value: object) -> str | None:
     """Return why ``value`` is not a known strategy name, or ``None``."""
     if value not in STRATEGIES:
         return f"unknown strategy {value!r}; choose one of {', '.join(STRATEGIES)}"
+    return None
+
+
+def direct_databases_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid ``DLOCK_DIRECT_DATABASES``, or ``None``."""
+    if not isinstance(value, dict):
+        return f"must be a dict of database aliases, not {type(value).__name__}"
+    from django.db import connections
+
+    for alias, direct in value.items():
+        for name in (alias, direct):
+            if not isinstance(name, str) or name not in connections:
+                return f"{name!r} is not a database alias (known: {', '.join(connections)})"
+        if alias == direct:
+            return f"{alias!r} maps to itself"
     return None

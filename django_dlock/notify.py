@@ -11,6 +11,17 @@ between the look and the wait still wakes it. If the listener's connection
 fails, every waiter is woken (they re-check the lock) and the listener
 reconnects; waiters never depend on it alone, they also wake when the lease
 they wait for would expire.
+
+A listener must be able to *hear*. Behind a pooler in transaction mode
+(PgBouncer) the ``LISTEN`` stays on a server session that the pooler lends
+to other clients, and notifications never reach the listener. So after each
+``LISTEN`` the listener sends itself a ping (``pg_notify`` from a second,
+short connection) and is healthy only once it hears it (a listener that
+cannot hear stays so until it reconnects: the ping is not repeated, so many
+processes do not flood each other). While it is not healthy, waiters look again
+at the retry policy's interval instead of parking. ``DLOCK_DIRECT_DATABASES``
+names an alias that reaches the same database without the pooler; the
+listener then connects through it.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +41,10 @@ from django.db import connections
 logger = logging.getLogger("django_dlock")
 
 CHANNEL = "django_dlock"
+#: payload prefix of a listener's ping to itself (never a lock name: those are namespaced)
+PING_PREFIX = "django-dlock-ping:"
+#: seconds a listener waits to hear its own ping
+PING_TIMEOUT = 1.0
 
 
 class Waiter:
@@ -61,8 +77,11 @@ class Listener:
         self._mutex = threading.Lock()
         self._waiters: dict[str, set[Waiter]] = {}
         self._ready = threading.Event()
+        self._checked = threading.Event()
         self._stopped = threading.Event()
+        #: listening and heard its own ping: a release wakes the waiters
         self.healthy = False
+        self._deaf_reported = False
         self._thread = threading.Thread(
             target=self._run, name=f"django-dlock-listen-{alias}", daemon=True
         )
@@ -70,6 +89,10 @@ class Listener:
 
     def wait_ready(self, timeout: float) -> bool:
         return self._ready.wait(timeout)
+
+    def wait_checked(self, timeout: float) -> bool:
+        """Wait until the listener knows whether it hears (its first ping came back or not)."""
+        return self._checked.wait(timeout)
 
     def register(self, name: str, waiter: Waiter) -> None:
         with self._mutex:
@@ -113,11 +136,12 @@ class Listener:
             backoff = 0.1
             try:
                 conn.execute(f"LISTEN {CHANNEL}")
-                self.healthy = True
                 self._ready.set()
                 # Anything released while we were not listening is caught
                 # by the waiters' own re-checks after this wake-up.
                 self._wake(None)
+                # Until the ping is heard (not healthy), waiters poll.
+                self._check_hearing(conn)
                 while not self._stopped.is_set():
                     for notify in conn.notifies(timeout=1.0):
                         self._wake(notify.payload)
@@ -129,6 +153,44 @@ class Listener:
                 with contextlib.suppress(Exception):
                     conn.close()
 
+    def _check_hearing(self, conn: Any) -> None:
+        heard = self._ping(conn)
+        if not heard and not self._deaf_reported:
+            self._deaf_reported = True
+            logger.warning(
+                "django-dlock: the LISTEN connection of %r does not hear notifications "
+                "(a pooler in transaction mode?); lease waiters poll at the retry interval. "
+                "Set DLOCK_DIRECT_DATABASES to listen through a direct connection.",
+                self.alias,
+            )
+        if heard:
+            self._deaf_reported = False
+        self.healthy = heard
+        self._checked.set()
+
+    def _ping(self, conn: Any) -> bool:
+        """Send ourselves a notification from another connection; whether it arrives."""
+        payload = PING_PREFIX + secrets.token_hex(8)
+        try:
+            sender = self._connect()
+            try:
+                sender.execute("SELECT pg_notify(%s, %s)", [CHANNEL, payload])
+            finally:
+                sender.close()
+        except Exception as exc:
+            logger.warning("django-dlock: cannot ping the listener of %r: %s", self.alias, exc)
+            return False
+        deadline = time.monotonic() + PING_TIMEOUT
+        while not self._stopped.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for notify in conn.notifies(timeout=left):
+                if notify.payload == payload:
+                    return True
+                self._wake(notify.payload)
+        return False
+
 
 _listeners: dict[str, Listener] = {}
 _listeners_mutex = threading.Lock()
@@ -139,7 +201,9 @@ def _connect_like(alias: str) -> Callable[[], Any]:
     def connect() -> Any:
         import psycopg
 
-        wrapper = connections[alias]
+        from django_dlock.strategies.base import direct_alias
+
+        wrapper = connections[direct_alias(alias)]
         params = wrapper.get_connection_params()
         params.pop("cursor_factory", None)
         params.pop("context", None)

@@ -17,10 +17,20 @@ So the ``advisory`` strategy never uses Django's connections:
   acquisition costs no connect. A session is only ever pooled when it holds
   no lock; one that is in doubt is closed instead (closing a session frees
   its locks).
+* A session is checked **before it takes any lock**: if the cancel key of
+  the connection does not carry the server's ``pg_backend_pid()``, a pooler
+  (PgBouncer) sits in between. The first such session of a pool then asks
+  whether the pooler keeps a server session per client (session mode: fine)
+  or lends it between transactions (transaction mode): while a second
+  connection holds a transaction open, the session asks for its backend pid
+  again; in transaction mode the answer changes (or waits for the other
+  transaction). Transaction mode is refused with :class:`SessionSwitched`
+  before any lock is taken, and every later session of the pool is refused
+  without connecting: a session lock taken there would stay with a server
+  session that the pooler lends to others.
 * Every hot statement also returns ``pg_backend_pid()``: if it ever differs
-  from the pid the session started with, the connection is going through a
-  transaction-mode pooler (PgBouncer) that switches server sessions, and
-  session locks cannot work: :class:`SessionSwitched` is raised.
+  from the pid the session started with, the server session was switched
+  under the connection, and :class:`SessionSwitched` is raised.
 * A **watcher** thread (running only while sessions hold locks, plus a few
   seconds) polls the sockets of idle holding sessions. A socket that becomes
   readable while no statement runs means the server ended the session
@@ -369,6 +379,8 @@ class Pool:
         self.idle: list[Session] = []
         self.by_token: dict[str, Session] = {}
         self.retired = False
+        #: why this database cannot carry session locks (a transaction-mode pooler), if it cannot
+        self.refused: str | None = None
 
     def session_for(self, token: str, holder: Callable[[], Holder | None]) -> Session:
         """The holder's session: its current one, a pooled one, or a new one."""
@@ -410,16 +422,28 @@ class Pool:
         return expired
 
     def _open(self) -> Session:
+        if self.refused is not None:
+            raise SessionSwitched(self.refused)
         conn = _connect(self.alias)
         try:
             sql = _SETUP_14 if conn.info.server_version >= 140000 else _SETUP
             row = conn.execute(sql).fetchone()
             assert row is not None
+            pid = int(row[0])
+            if conn.info.backend_pid != pid and _lends_server_sessions(self.alias, conn, pid):
+                self.refused = (
+                    f"the database {self.alias!r} is reached through a pooler in transaction "
+                    "mode (such as PgBouncer), which lends a server session to other clients "
+                    "between transactions: a session advisory lock would stay with it. "
+                    "Give the advisory strategy a database alias that connects directly (or "
+                    "through a session-mode pool), or use the advisory_xact or lease strategy"
+                )
+                raise SessionSwitched(self.refused)
         except BaseException:
             with contextlib.suppress(Exception):
                 conn.close()
             raise
-        return Session(self, conn, int(row[0]))
+        return Session(self, conn, pid)
 
     def find(self, token: str) -> Session | None:
         return self.by_token.get(token)
@@ -467,6 +491,46 @@ class Pool:
         for session in idle:
             session.fail("closed")
         return len(idle)
+
+
+#: seconds a pooler probe waits for its session's answer while another client holds a transaction
+PROBE_WAIT = 1.0
+
+
+def _lends_server_sessions(alias: str, conn: psycopg.Connection[Any], pid: int) -> bool:
+    """Whether the pooler in front of ``alias`` lends server sessions between transactions.
+
+    ``conn`` is a new connection through the pooler whose server session is
+    ``pid``. A second connection opens a transaction (which pins a server
+    session to it in any pooling mode), then ``conn`` asks for its pid
+    again. Session mode: ``conn`` keeps ``pid`` and answers at once.
+    Transaction mode: the second connection got ``pid`` itself, or ``conn``
+    is answered by another server session, or it waits because the pool has
+    no other (it is answered when the second transaction ends).
+    """
+    other = _connect(alias)
+    try:
+        other.execute("BEGIN")
+        row = other.execute("SELECT pg_backend_pid()").fetchone()
+        if row is not None and int(row[0]) == pid:
+            return True
+        answer: list[int] = []
+
+        def ask() -> None:
+            found = conn.execute("SELECT pg_backend_pid()").fetchone()
+            if found is not None:
+                answer.append(int(found[0]))
+
+        asking = threading.Thread(target=ask, name="django-dlock-pooler-probe", daemon=True)
+        asking.start()
+        asking.join(PROBE_WAIT)
+        waited = asking.is_alive()
+        other.execute("ROLLBACK")
+        asking.join(30)
+        return waited or not answer or answer[0] != pid
+    finally:
+        with contextlib.suppress(Exception):
+            other.close()
 
 
 # -- per process state ---------------------------------------------------------

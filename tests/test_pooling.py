@@ -22,13 +22,14 @@ from django.db import connections
 from django.test.utils import override_settings
 
 import django_dlock as dlock
-from django_dlock import sessions
+from django_dlock import notify, sessions
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 from django_dlock.strategies.support import database_messages
 
-from .helpers import in_thread, wait_until
+from . import pgbouncer
+from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -213,8 +214,8 @@ def test_djangos_pool_never_hands_a_held_lock_to_the_next_borrower(django_pool):
     assert in_thread(lambda: _try_and_release("pooled")) is True
 
 
-def _try_and_release(key: str, strategy: str = ADV) -> bool:
-    lk = dlock.lock(key, strategy=strategy)
+def _try_and_release(key: str, strategy: str = ADV, using: str = "default") -> bool:
+    lk = dlock.lock(key, strategy=strategy, using=using)
     if lk.acquire(timeout=0):
         lk.release()
         return True
@@ -248,6 +249,97 @@ def test_check_w011_warns_with_djangos_pool(django_pool):
         assert check_strategy_database() == []
 
 
+@pytest.fixture
+def django_pool_of_4():
+    """Django's pool on the default alias: 4 connections, a dry pool fails after 3 s."""
+    wrapper = connections["default"]
+    options = wrapper.settings_dict["OPTIONS"]
+    wrapper.close()
+    options["pool"] = {"min_size": 0, "max_size": 4, "timeout": 3}
+    try:
+        yield
+    finally:
+        connections.close_all()
+        wrapper.close_pool()
+        del options["pool"]
+
+
+def _in_transactions(count: int, body, *, keys) -> list[object]:
+    """``count`` threads, each in a transaction that holds a pooled connection, run ``body``."""
+    from django.db import transaction
+
+    holding = threading.Barrier(count, timeout=30)
+    results: list[object] = [None] * count
+
+    def work(i: int) -> None:
+        with transaction.atomic():
+            query("SELECT 1")  # the transaction holds one of the pool's connections
+            holding.wait()
+            results[i] = body(keys[i])
+
+    run_threads(work, [(i,) for i in range(count)], timeout=120)
+    return results
+
+
+@needs_django_pool
+@pytest.mark.parametrize("strategy", ["lease", "row"])
+def test_djangos_pool_threads_in_transactions_lock_different_keys(django_pool_of_4, strategy):
+    together = threading.Barrier(4, timeout=30)
+
+    def lock_it(key: str) -> int | None:
+        with dlock.lock(key, strategy=strategy, timeout=5) as lk:
+            together.wait()  # all four hold their lock at once
+            return lk.fence
+
+    fences = _in_transactions(4, lock_it, keys=[f"pool:{i}" for i in range(4)])
+    assert all(isinstance(f, int) for f in fences)
+
+
+@needs_django_pool
+def test_djangos_pool_threads_in_transactions_lock_the_same_key(django_pool_of_4):
+    inside: list[int] = []
+
+    def lock_it(key: str) -> bool:
+        with dlock.lock(key, timeout=30):
+            inside.append(1)
+            assert len(inside) == 1
+            inside.pop()
+        return True
+
+    assert _in_transactions(4, lock_it, keys=["pool:same"] * 4) == [True] * 4
+
+
+@needs_django_pool
+def test_djangos_pool_dry_a_lock_outside_a_transaction_does_not_wait_for_it(django_pool_of_4):
+    from django.db import transaction
+
+    dry = threading.Barrier(5, timeout=30)
+    done = threading.Event()
+
+    def hold_a_connection(_: int) -> None:
+        with transaction.atomic():
+            query("SELECT 1")
+            dry.wait()
+            done.wait(30)
+
+    holders = [threading.Thread(target=hold_a_connection, args=(i,)) for i in range(4)]
+    for t in holders:
+        t.start()
+    try:
+        dry.wait()  # the pool's four connections are all taken
+
+        def lock_and_check() -> bool:
+            with dlock.lock("pool:dry", timeout=2) as lk:
+                return lk.owned()
+
+        assert in_thread(lock_and_check) is True
+    finally:
+        done.set()
+        for t in holders:
+            t.join(30)
+        connections.close_all()
+
+
 # -- checks -------------------------------------------------------------------------------
 
 
@@ -271,3 +363,348 @@ def test_check_is_registered():
     with override_settings(DLOCK_DEFAULT_STRATEGY="advisory", DLOCK_ADVISORY_FENCING=1):
         found = [m.id for m in checks.run_checks(tags=[checks.Tags.compatibility])]
     assert "dlock.E012" in found
+
+
+# -- PgBouncer ------------------------------------------------------------------------------
+
+BOUNCER = "bouncer"  # transaction mode, pool of 4 server connections
+SESSION_BOUNCER = "bouncer_session"  # session mode
+
+
+@pytest.fixture(scope="module")
+def bouncer(django_db_setup, django_db_blocker):
+    # Module scope: the alias must exist before the test case starts.
+    with django_db_blocker.unblock(), pgbouncer.attached(BOUNCER, "transaction") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def session_bouncer(django_db_setup, django_db_blocker):
+    with django_db_blocker.unblock(), pgbouncer.attached(SESSION_BOUNCER, "session") as running:
+        yield running
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_lease_through_pgbouncer_without_disabling_server_side_cursors(bouncer):
+    # Lease statements are not prepared behind a pooler: no driver errors.
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        for n in range(20):
+            try:
+                with dlock.lock(f"pgb:{i}:{n % 3}", using=BOUNCER, timeout=5):
+                    pass
+            except BaseException as exc:
+                errors.append(exc)
+
+    run_threads(work, [(i,) for i in range(4)])
+    assert errors == []
+
+
+# -- SQLite inside the caller's transaction -------------------------------------------------
+
+SQLITE = "sqlite"
+
+
+def _write_something() -> None:
+    from django_dlock.models import FenceFloor
+
+    FenceFloor.objects.using(SQLITE).update_or_create(id=1, defaults={"value": 0})
+
+
+def test_sqlite_lock_after_a_write_in_the_callers_transaction():
+    from django.db import transaction
+
+    with transaction.atomic(using=SQLITE):
+        _write_something()  # the caller's connection holds SQLite's write lock
+        with dlock.lock("sq:after-write", using=SQLITE, timeout=1) as lk:
+            assert lk.owned()
+        _write_something()
+    # committed and released: anyone can take it now
+    assert in_thread(lambda: _try_and_release("sq:after-write", "lease", SQLITE)) is True
+
+
+def test_sqlite_held_past_the_commit_and_undone_by_a_rollback():
+    from django.db import transaction
+
+    lk = dlock.lock("sq:kept", using=SQLITE, timeout=1)
+    with transaction.atomic(using=SQLITE):
+        _write_something()
+        assert lk.acquire()
+    # the lease row was committed with the caller's transaction
+    assert in_thread(lambda: dlock.lock("sq:kept", using=SQLITE).acquire(timeout=0)) is False
+    lk.release()
+
+    class Rollback(Exception):
+        pass
+
+    undone = dlock.lock("sq:undone", using=SQLITE, timeout=1)
+    with pytest.raises(Rollback), transaction.atomic(using=SQLITE):
+        _write_something()
+        assert undone.acquire()
+        raise Rollback
+    assert not dlock.lock("sq:undone", using=SQLITE).locked()
+    assert not undone.owned()
+    assert in_thread(lambda: _try_and_release("sq:undone", "lease", SQLITE)) is True
+
+
+def _fresh_listener(alias: str) -> notify.Listener:
+    old = notify._listeners.pop(alias, None)
+    if old is not None:
+        old.stop()
+    found = notify.listener(alias)
+    assert found.wait_checked(10)
+    return found
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_a_listener_behind_pgbouncer_in_transaction_mode_knows_it_cannot_hear(bouncer):
+    listen = _fresh_listener(BOUNCER)
+    try:
+        assert listen.healthy is False  # waiters poll at the retry interval
+    finally:
+        notify._listeners.pop(BOUNCER, None)
+        listen.stop()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_a_direct_listen_connection_wakes_waiters_behind_pgbouncer(bouncer):
+    with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
+        listen = _fresh_listener(BOUNCER)
+        try:
+            assert listen.healthy is True
+            holder = dlock.lock("pgb:wake", using=BOUNCER)
+            holder.acquire()
+            waiter = notify.Waiter()
+            listen.register(make_key("pgb:wake").name, waiter)
+            holder.release()  # through PgBouncer: the NOTIFY reaches the direct listener
+            assert waiter.thread_event.wait(10)
+        finally:
+            notify._listeners.pop(BOUNCER, None)
+            listen.stop()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SESSION_BOUNCER])
+def test_a_listener_behind_pgbouncer_in_session_mode_hears(session_bouncer):
+    listen = _fresh_listener(SESSION_BOUNCER)
+    try:
+        assert listen.healthy is True
+    finally:
+        notify._listeners.pop(SESSION_BOUNCER, None)
+        listen.stop()
+
+
+def _advisory_locks_on(key: str) -> int:
+    classid, objid, objsubid = pg_locks_ids(make_key(key))
+    return query(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+        "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s",
+        [classid, objid, objsubid],
+    )[0][0]
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_advisory_through_pgbouncer_in_transaction_mode_is_refused_before_any_lock(bouncer):
+    keys = [f"pgb:adv:{i}" for i in range(4)]
+    refusals: list[BaseException] = []
+
+    def work(i: int) -> None:
+        for _ in range(10):
+            try:
+                with dlock.lock(keys[i], strategy=ADV, using=BOUNCER, timeout=1):
+                    pass
+            except dlock.DLockError as exc:
+                refusals.append(exc)
+            except Exception as exc:  # a driver error: the refusal came too late
+                refusals.append(exc)
+
+    run_threads(work, [(i,) for i in range(4)])
+    assert refusals and all(isinstance(e, sessions.SessionSwitched) for e in refusals), refusals
+    assert "transaction mode" in str(refusals[0])
+    for key in keys:  # nothing stranded on PgBouncer's server sessions
+        assert _advisory_locks_on(key) == 0
+        assert _try_and_release(key) is True  # a direct acquire gets it at once
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SESSION_BOUNCER])
+def test_advisory_through_pgbouncer_in_session_mode_works(session_bouncer):
+    lk = dlock.lock("pgb:adv:session", strategy=ADV, using=SESSION_BOUNCER)
+    assert lk.acquire(timeout=0)
+    try:
+        assert _advisory_locks_on("pgb:adv:session") == 1
+        assert in_thread(lambda: _try_and_release("pgb:adv:session")) is False  # held
+    finally:
+        lk.release()
+    assert _advisory_locks_on("pgb:adv:session") == 0
+
+
+def _exclusive_rounds(alias: str, strategy: str, threads: int, rounds: int, **kwargs) -> None:
+    """``threads`` threads take one key ``rounds`` times each; never two inside at once."""
+    from django.db import transaction
+
+    inside: list[int] = []
+    transactional = strategy in ("row", "advisory_xact")
+
+    def once() -> None:
+        with dlock.lock(f"pgb:{strategy}", strategy=strategy, using=alias, timeout=30):
+            inside.append(1)
+            assert len(inside) == 1
+            inside.pop()
+
+    def work(_: int) -> None:
+        for _round in range(rounds):
+            if transactional:
+                with transaction.atomic(using=alias):
+                    query_on(alias, "SELECT 1")  # the transaction holds a server connection
+                    once()
+            else:
+                once()
+
+    with override_settings(**kwargs):
+        run_threads(work, [(i,) for i in range(threads)])
+
+
+def query_on(alias: str, sql: str) -> list[tuple]:
+    with connections[alias].cursor() as cur:
+        cur.execute(sql)
+        return list(cur.fetchall())
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+@pytest.mark.parametrize("strategy", ["lease", "advisory_xact", "row"])
+def test_pgbouncer_transaction_mode_strategies_exclude(bouncer, strategy):
+    # 3 threads: the pool of 4 has a server connection to spare for the
+    # private connection of a lock taken inside a transaction.
+    _exclusive_rounds(BOUNCER, strategy, threads=3, rounds=15)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+@pytest.mark.parametrize("strategy", ["lease", "row"])
+def test_pgbouncer_pool_held_by_transactions_with_a_direct_alias(bouncer, strategy):
+    # 4 threads in transactions hold all 4 server connections: a lock
+    # statement that must commit on its own goes around PgBouncer.
+    from django.db import transaction
+
+    together = threading.Barrier(4, timeout=30)
+
+    def work(i: int) -> None:
+        with transaction.atomic(using=BOUNCER):
+            query_on(BOUNCER, "SELECT 1")
+            together.wait()
+            with dlock.lock(f"pgb:full:{i}", strategy=strategy, using=BOUNCER, timeout=5):
+                together.wait()
+
+    with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
+        run_threads(work, [(i,) for i in range(4)])
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_checks_w040_w041_name_the_fixes_for_a_pooler(bouncer):
+    from django.core import checks
+
+    def ids(alias: str) -> list[str]:
+        return sorted(
+            str(m.id)
+            for m in checks.run_checks(tags=[checks.Tags.database], databases=[alias])
+            if str(m.id).startswith("dlock.")
+        )
+
+    assert ids(BOUNCER) == ["dlock.W050", "dlock.W051"]
+    assert ids("default") == []  # a direct connection
+    settings = connections[BOUNCER].settings_dict
+    settings["DISABLE_SERVER_SIDE_CURSORS"] = True
+    try:
+        with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
+            assert ids(BOUNCER) == []
+    finally:
+        settings["DISABLE_SERVER_SIDE_CURSORS"] = False
+
+
+def test_check_e040_direct_databases():
+    from django_dlock.checks import check_direct_databases
+
+    with override_settings(DLOCK_DIRECT_DATABASES={"default": "sqlite"}):
+        assert check_direct_databases() == []
+    for bad in ({"default": "nope"}, {"default": "default"}, ["default"], {"x": "default"}):
+        with override_settings(DLOCK_DIRECT_DATABASES=bad):
+            assert [m.id for m in check_direct_databases()] == ["dlock.E050"]
+
+
+# -- gunicorn: gthread workers, ATOMIC_REQUESTS, Django's pool ------------------------------
+
+
+@pytest.fixture
+def gunicorn_site():
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = pgbouncer.free_port()
+    command = [
+        sys.executable, "-m", "gunicorn", "tests.gunicorn_app:application",
+        "--worker-class", "gthread", "--workers", "1", "--threads", "4",
+        "--bind", f"127.0.0.1:{port}", "--timeout", "120", "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "DLOCK_TEST_CHILD": "1"}
+    server = subprocess.Popen(command, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(f"{base}/checkout/", timeout=5) as answer:
+                return answer.status == 200
+        except OSError:
+            assert server.poll() is None, "gunicorn exited"
+            return False
+
+    try:
+        wait_until(up, timeout=60)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)
+
+
+def _get_all(urls: list[str]) -> list[int | str]:
+    import urllib.error
+    import urllib.request
+
+    answers: list[int | str] = [0] * len(urls)
+
+    def get(i: int) -> None:
+        try:
+            with urllib.request.urlopen(urls[i], timeout=60) as answer:
+                answers[i] = answer.status
+        except urllib.error.HTTPError as exc:
+            answers[i] = exc.code
+        except OSError as exc:
+            answers[i] = str(exc)
+
+    run_threads(get, [(i,) for i in range(len(urls))])
+    return answers
+
+
+@needs_django_pool
+def test_gunicorn_gthread_atomic_requests_with_djangos_pool(gunicorn_site):
+    # Four requests at once, each in its transaction (all four pooled
+    # connections taken), each locking a different key and holding it
+    # until all four are inside.
+    assert _get_all([f"{gunicorn_site}/together/{n}/" for n in range(4)]) == [200] * 4
+    # Eight requests on one key: they wait their turn (on_contention="wait").
+    assert _get_all([f"{gunicorn_site}/invoice/7/wait/"] * 8) == [200] * 8
+
+
+def test_sqlite_lock_after_a_read_in_the_callers_transaction():
+    from django.db import transaction
+
+    from django_dlock.models import FenceFloor
+
+    with transaction.atomic(using=SQLITE):
+        list(FenceFloor.objects.using(SQLITE).all())  # the caller holds a read lock
+        with dlock.lock("sq:after-read", using=SQLITE, timeout=1) as lk:
+            assert lk.owned()
+    assert in_thread(lambda: _try_and_release("sq:after-read", "lease", SQLITE)) is True

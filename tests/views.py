@@ -126,3 +126,13 @@ def checkout(request: HttpRequest, **kwargs: object) -> HttpResponse:
 async def acheckout(request: HttpRequest) -> HttpResponse:
     await PROBE.arun()
     return HttpResponse("async checked out")
+
+
+#: four requests inside ``together`` at once (served by gunicorn in tests/test_pooling.py)
+TOGETHER = threading.Barrier(4, timeout=20)
+
+
+@with_lock("together:{n}", timeout=5)
+def together(request: HttpRequest, n: int) -> HttpResponse:
+    TOGETHER.wait()  # each request holds its transaction's connection and its lock
+    return HttpResponse("together")
