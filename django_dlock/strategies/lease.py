@@ -580,8 +580,10 @@ class LeaseStrategy:
                 "or it expired and another holder took it and released it since"
             )
         if live:
-            return "its lease expired and another holder took it over"
-        return "its lease expired and another holder took it over (and let it expire since)"
+            return "its lease expired and was taken over by another holder"
+        return (
+            "its lease expired and was taken over by another holder (whose lease has run out since)"
+        )
 
     def seconds_left(self, alias: str, key: Key) -> float:
         """Seconds until the current lease of ``key`` ends (<= 0: free now)."""
