@@ -23,6 +23,7 @@ properties (``fence``, ``lost``, ``token``) answer for the calling holder.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
@@ -206,6 +207,45 @@ def _off_the_loop(func: Callable[[], bool]) -> bool:
 
     with ThreadPoolExecutor(1, thread_name_prefix="django-dlock-check") as pool:
         return pool.submit(run).result()
+
+
+async def _to_the_end(func: Callable[[], None], what: str) -> None:
+    """Run ``func`` in a worker thread, to the end even if the task is cancelled.
+
+    A release must not be dropped because the task was cancelled before the
+    worker thread started it (``asyncio.wait_for``, a client that went
+    away): then it runs in a thread of its own, and its errors are logged.
+    """
+    mutex = threading.Lock()
+    state = {"started": False, "cancelled": False}
+
+    def run() -> None:
+        with mutex:
+            if state["cancelled"]:
+                return
+            state["started"] = True
+        func()
+
+    try:
+        await sync_to_async(run)()
+    except asyncio.CancelledError:
+        with mutex:
+            state["cancelled"] = True
+            started = state["started"]
+        if not started:
+            threading.Thread(
+                target=_run_logged, args=(func, what), name="django-dlock-release", daemon=True
+            ).start()
+        raise
+
+
+def _run_logged(func: Callable[[], None], what: str) -> None:
+    try:
+        func()
+    except Exception:
+        logger.exception("django-dlock: %s after a cancellation failed", what)
+    finally:
+        connections.close_all()
 
 
 #: set while a ``with`` block or a decorated function is being left
@@ -662,13 +702,15 @@ class Lock:
                     sent_at = time.monotonic()
                     grant = await strategy.aacquire(req, deadline, self.retry_interval)
                     if grant is None:
-                        await sync_to_async(self._undo)(holder, alias, strategy, taken)
+                        undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+                        await _to_the_end(undo, f"giving back {self.name!r}")
                         self._contended(key, deadline)
                         return False
                     self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
                 taken.append(key)
         except BaseException:
-            await sync_to_async(self._undo)(holder, alias, strategy, taken)
+            undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+            await _to_the_end(undo, f"giving back {self.name!r}")
             raise
         return True
 
@@ -752,7 +794,8 @@ class Lock:
         holdings = self._holdings(holder)
         if len(holdings) != len(self.keys):
             raise LockNotOwned(f"{self.name!r} is not held by this task")
-        await sync_to_async(self._release_all)(holder, holdings)
+        release = functools.partial(self._release_all, holder, holdings)
+        await _to_the_end(release, f"releasing {self.name!r}")
 
     def _refuse_early_release(self) -> None:
         if _LEAVING.get() or not getattr(

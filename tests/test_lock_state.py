@@ -13,6 +13,7 @@ import random
 import threading
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
@@ -26,6 +27,14 @@ from django_dlock.models import Lock as LockRow
 from .helpers import in_thread, row, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+@pytest.fixture(autouse=True)
+def _close_async_connections():
+    # Async code runs its queries in asgiref's shared worker thread: close
+    # that thread's connections so the test databases can be dropped.
+    yield
+    asyncio.run(sync_to_async(connections.close_all)())
 
 
 def test_name_length_matches_the_column():
