@@ -755,7 +755,14 @@ class Lock:
                 holding.renewer.stop()
             except BaseException as exc:
                 renewer_error = exc
-        if not holding.lost and not holding.strategy.release(req):
+        if holding.lost:
+            # Known lost: the release only tidies up (a lease still ours is
+            # freed, a session forgets the key); what it says changes nothing.
+            try:
+                holding.strategy.release(req)
+            except Exception as exc:
+                logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
+        elif not holding.strategy.release(req):
             holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
         if holding.lost:
             raise holding.error()

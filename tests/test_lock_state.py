@@ -409,3 +409,25 @@ def test_bad_settings_do_not_break_declaring_locks(setting, value, error):
         dlock.lock("k", strategy="zookeeper")
     with pytest.raises(ValueError):
         dlock.lock("k", ttl="abc")
+
+
+def test_migration_keeps_fences_increasing_under_the_new_names(alias):
+    import importlib
+    from types import SimpleNamespace
+
+    from django.apps import apps
+
+    from django_dlock.models import FenceFloor
+
+    migration = importlib.import_module("django_dlock.migrations.0002_two_part_key_names")
+    old_name = "lock:('order', 42)"  # a two-part key's name before the change
+    with connections[alias].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+            "VALUES (%s, '', '', %s, NULL, %s)",
+            [old_name, 10**12, "2000-01-01 00:00:00"],
+        )
+    migration.raise_floor(apps, SimpleNamespace(connection=connections[alias]))
+    assert FenceFloor.objects.using(alias).get(id=1).value >= 10**12
+    with dlock.lock(("order", 42), using=alias) as lk:
+        assert lk.fence > 10**12
