@@ -291,11 +291,18 @@ class Lock:
             raises :class:`LockReentrantError` instead of counting.
         retry_interval: waiting policy when the database cannot wake
             waiters: seconds (jittered) or a function of the attempt number.
-        on_lost: called with a :class:`LockLost` when the lock is lost
-            (from the renewal thread).
+        on_lost: called once with a :class:`LockLost` when the lock is lost
+            (from the renewal thread, or from the call that found the loss).
         on_fail: for the decorator: ``"raise"`` (:class:`LockTimeout`) or
-            ``"skip"`` (return ``None`` without calling the function).
+            ``"skip"`` (return ``None`` without calling the function; logged
+            at INFO). A ``with`` block refuses ``"skip"`` (``ValueError``).
         shared: take a shared (read) lock where the strategy supports it.
+
+    Arguments given are checked at once. Values that come from settings
+    (``DLOCK_DEFAULT_*``, ``DLOCK_RETRY_INTERVAL``) are read when the lock is
+    used, so that a module declaring locks always imports; a bad setting then
+    raises the same named error before any SQL (and the system checks report
+    it at startup).
 
     Raises:
         InvalidLockKey: the key is not a valid key.
@@ -550,6 +557,11 @@ class Lock:
         holding = _current(holder, (alias, strategy.family, key.name))
         if holding is None:
             return False
+        if not holding.lost and holding.may_have_expired():
+            self._renew_or_lose(holding, self._lease_ttl())
+        if holding.lost:
+            holding.halt_renewal()
+            return False
         if not self.reentrant:
             raise LockReentrantError(
                 f"{key.name!r} is already held by this {holder.kind} and reentrant=False"
@@ -559,11 +571,6 @@ class Lock:
                 f"{key.name!r} is held shared by this {holder.kind}: it cannot be "
                 "re-entered exclusively (release the shared lock first)"
             )
-        if not holding.lost and holding.may_have_expired():
-            self._renew_or_lose(holding, self._lease_ttl())
-        if holding.lost:
-            holding.halt_renewal()
-            return False
         holding.count += 1
         return True
 

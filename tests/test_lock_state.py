@@ -146,6 +146,20 @@ def test_aowned_answers_for_the_calling_task(alias):
     asyncio.run(main())
 
 
+def test_held_from_async_code_after_the_lease_ran_out(alias):
+    async def main():
+        lk = dlock.lock("async-expired", using=alias, ttl=0.3)
+        assert await lk.aacquire(timeout=0)
+        while await sync_to_async(lk.locked)():
+            await asyncio.sleep(0.05)
+        assert lk.held() is False  # asks the database, off the event loop
+        assert await lk.aheld() is False
+        with pytest.raises(dlock.LockLost):
+            await lk.arelease()
+
+    asyncio.run(main())
+
+
 # -- cancelled async acquire --------------------------------------------------------
 
 
