@@ -445,3 +445,11 @@ def test_migration_keeps_fences_increasing_under_the_new_names(alias):
     assert FenceFloor.objects.using(alias).get(id=1).value >= 10**12
     with dlock.lock(("order", 42), using=alias) as lk:
         assert lk.fence > 10**12
+
+
+@pytest.mark.parametrize("db", ["default", "sqlite"])
+def test_uncontended_with_costs_its_acquire_and_its_release(db):
+    lk = dlock.lock("two-statements", using=db, ttl=60)
+    with CaptureQueriesContext(connections[db]) as queries, lk:
+        assert lk.held()
+    assert len(queries) == 2, [q["sql"] for q in queries]
