@@ -120,6 +120,8 @@ def retry_interval_error(value: object) -> str | None:
     assert isinstance(value, (int, float))
     if not math.isfinite(value) or value < 0:
         return f"retry_interval must be a finite number of seconds >= 0, got {value!r}"
+    if value > MAX_SECONDS:
+        return f"retry_interval must be at most {MAX_SECONDS:g} seconds, got {value!r}"
     return None
 
 
