@@ -146,8 +146,9 @@ def test_loss_table(strategy, alias, state, operation):
                     lk.release()
                 assert isinstance(info.value, dlock.LockNotOwned)
             elif operation == "acquire":
-                # Re-entry is refused by the database: the caller contends afresh.
-                again = lk.acquire(timeout=0)
+                # Re-entry is refused by the database: the caller contends afresh
+                # (with a long lease this time, so that it surely runs meanwhile).
+                again = dlock.lock(key, using=alias, strategy=strategy, ttl=60).acquire(0)
                 assert again is (state != "taken")
                 if again:
                     assert lk.held() and lk.owned()
