@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
+from django.core.signals import setting_changed
 from django.db import connections, router
+from django.dispatch import receiver
 
 from django_dlock import signals
 from django_dlock.conf import (
@@ -248,6 +250,45 @@ def _run_logged(func: Callable[[], None], what: str) -> None:
         connections.close_all()
 
 
+#: the checked value of each default setting a lock uses, until settings change
+_DEFAULTS: dict[str, Any] = {}
+
+_DEFAULT_CHECKS: dict[str, tuple[Callable[[Any], str | None], type[Exception]]] = {
+    "DLOCK_DEFAULT_STRATEGY": (strategy_error, StrategyNotSupported),
+    "DLOCK_DEFAULT_TTL": (ttl_error, ValueError),
+    "DLOCK_DEFAULT_TIMEOUT": (timeout_error, ValueError),
+    "DLOCK_RETRY_INTERVAL": (retry_interval_error, ValueError),
+}
+
+
+def _default(setting: str) -> Any:
+    """The setting's value, checked (a named error if it is bad).
+
+    Read when a lock is used, never when it is created, and remembered until
+    a ``setting_changed`` signal (``override_settings``) says otherwise, so
+    that the hot path does not re-read and re-check four settings per call.
+    """
+    try:
+        return _DEFAULTS[setting]
+    except KeyError:
+        pass
+    value = conf._get(setting)
+    check, error = _DEFAULT_CHECKS[setting]
+    problem = check(value)
+    if problem is not None:
+        raise error(f"the {setting} setting: {problem}")
+    if setting in ("DLOCK_DEFAULT_TTL", "DLOCK_DEFAULT_TIMEOUT") and value is not None:
+        value = float(value)
+    _DEFAULTS[setting] = value
+    return value
+
+
+@receiver(setting_changed)
+def _forget_defaults(setting: str, **kwargs: Any) -> None:
+    if setting in _DEFAULT_CHECKS:
+        _DEFAULTS.clear()
+
+
 #: set while a ``with`` block or a decorated function is being left
 _LEAVING: ContextVar[bool] = ContextVar("django_dlock_leaving", default=False)
 
@@ -368,10 +409,7 @@ class Lock:
         """The strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)."""
         if self._strategy_arg is not None:
             return self._strategy_arg
-        value = conf.DEFAULT_STRATEGY
-        problem = strategy_error(value)
-        if problem is not None:
-            raise StrategyNotSupported(f"the DLOCK_DEFAULT_STRATEGY setting: {problem}")
+        value: str = _default("DLOCK_DEFAULT_STRATEGY")
         return value
 
     @property
@@ -379,34 +417,24 @@ class Lock:
         """The lease length in seconds (``DLOCK_DEFAULT_TTL`` unless given)."""
         if self._ttl_arg is not None:
             return self._ttl_arg
-        value = conf._get("DLOCK_DEFAULT_TTL")
-        problem = ttl_error(value)
-        if problem is not None:
-            raise ValueError(f"the DLOCK_DEFAULT_TTL setting: {problem}")
-        return float(value)
+        value: float = _default("DLOCK_DEFAULT_TTL")
+        return value
 
     @property
     def timeout(self) -> float | None:
         """How long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)."""
         if self._timeout_arg is not UNSET:
-            value: float | None = self._timeout_arg
-            return value
-        value = conf._get("DLOCK_DEFAULT_TIMEOUT")
-        problem = timeout_error(value)
-        if problem is not None:
-            raise ValueError(f"the DLOCK_DEFAULT_TIMEOUT setting: {problem}")
-        return None if value is None else float(value)
+            given: float | None = self._timeout_arg
+            return given
+        value: float | None = _default("DLOCK_DEFAULT_TIMEOUT")
+        return value
 
     @property
     def retry_interval(self) -> Any:
         """The waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)."""
         if self._retry_arg is not None:
             return self._retry_arg
-        value = conf.RETRY_INTERVAL
-        problem = retry_interval_error(value)
-        if problem is not None:
-            raise ValueError(f"the DLOCK_RETRY_INTERVAL setting: {problem}")
-        return value
+        return _default("DLOCK_RETRY_INTERVAL")
 
     def _check_options(self) -> None:
         """Read and check every option that comes from settings (before any SQL)."""
