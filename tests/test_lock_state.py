@@ -23,6 +23,7 @@ from django_dlock import override, signals
 from django_dlock.decorators import fit_key
 from django_dlock.keys import MAX_NAME_LENGTH, make_key
 from django_dlock.models import Lock as LockRow
+from django_dlock.strategies.base import close_private_connections
 
 from .helpers import in_thread, row, wait_until
 
@@ -35,6 +36,7 @@ def _close_async_connections():
     # that thread's connections so the test databases can be dropped.
     yield
     asyncio.run(sync_to_async(connections.close_all)())
+    close_private_connections()  # the row strategy's side connection of this thread
 
 
 def test_name_length_matches_the_column():
