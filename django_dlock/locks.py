@@ -73,6 +73,7 @@ __all__ = ["Lock", "lock"]
 logger = logging.getLogger("django_dlock")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class _Unset:
@@ -191,7 +192,7 @@ def _holder_alive() -> Callable[[], bool]:
     return thread_alive
 
 
-def _off_the_loop(func: Callable[[], bool]) -> bool:
+def _off_the_loop(func: Callable[[], T]) -> T:
     """Run a query from sync code that may be running inside an event loop.
 
     ``held()`` and ``owned()`` are synchronous; called from a coroutine they
@@ -201,7 +202,7 @@ def _off_the_loop(func: Callable[[], bool]) -> bool:
     if current_task() is None:
         return func()
 
-    def run() -> bool:
+    def run() -> T:
         try:
             return func()
         finally:
@@ -552,12 +553,15 @@ class Lock:
         started = time.monotonic()
         req = holding.request
 
-        def ask() -> bool:
-            return bool(holding.strategy.owned(req))
+        def ask() -> str | None:
+            """``None`` if still ours, else why not (both read on the same thread)."""
+            if holding.strategy.owned(req):
+                return None
+            return holding.loss_reason("the database no longer has it")
 
-        still = _off_the_loop(ask) if off_loop else ask()
-        if not still:
-            holding.mark_lost(holding.loss_reason("the database no longer has it"))
+        reason = _off_the_loop(ask) if off_loop else ask()
+        if reason is not None:
+            holding.mark_lost(reason)
             return False
         if holding.valid_until != math.inf:
             # Still ours: it runs until at least its expiry, which we do not

@@ -149,13 +149,18 @@ def test_aowned_answers_for_the_calling_task(alias):
 
 
 def test_held_from_async_code_after_the_lease_ran_out(alias):
+    reasons: list[str] = []
+
     async def main():
-        lk = dlock.lock("async-expired", using=alias, ttl=0.3)
+        lk = dlock.lock(
+            "async-expired", using=alias, ttl=0.3, on_lost=lambda e: reasons.append(str(e))
+        )
         assert await lk.aacquire(timeout=0)
         while await sync_to_async(lk.locked)():
             await asyncio.sleep(0.05)
         assert lk.held() is False  # asks the database, off the event loop
         assert await lk.aheld() is False
+        assert "expired" in reasons[0] and "could not read" not in reasons[0]
         with pytest.raises(dlock.LockLost):
             await lk.arelease()
 
