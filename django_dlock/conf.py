@@ -83,6 +83,11 @@ class Settings:
 conf = Settings()
 
 
+#: the longest lease (and hold) in seconds, about 31 years: every database
+#: can add it to its clock (longer ones overflow a date or an interval)
+MAX_SECONDS = 1e9
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -94,6 +99,8 @@ def ttl_error(value: object) -> str | None:
     assert isinstance(value, (int, float))
     if not math.isfinite(value) or value <= 0:
         return f"ttl must be a finite number of seconds > 0, got {value!r}"
+    if value > MAX_SECONDS:
+        return f"ttl must be at most {MAX_SECONDS:g} seconds (about 31 years), got {value!r}"
     return None
 
 
@@ -121,6 +128,8 @@ def retry_interval_error(value: object) -> str | None:
     assert isinstance(value, (int, float))
     if not math.isfinite(value) or value < 0:
         return f"retry_interval must be a finite number of seconds >= 0, got {value!r}"
+    if value > MAX_SECONDS:
+        return f"retry_interval must be at most {MAX_SECONDS:g} seconds, got {value!r}"
     return None
 
 

@@ -155,13 +155,22 @@ def fit_key(text: str) -> str:
 
     A key rendered from request data may be empty, longer than 255
     characters or contain a NUL byte; such a key becomes
-    ``"sha256:<hex>"`` (distinct inputs stay distinct) instead of an error.
+    ``"sha256:<hex>"`` instead of an error. A rendered key that itself
+    starts with ``"sha256:"`` is hashed too, so no input can name the lock
+    of another input's digest: distinct inputs stay distinct locks.
     """
     try:
         make_key(text)
     except InvalidLockKey:
-        return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-    return text
+        return _digest(text)
+    return _digest(text) if text.startswith(_DIGEST_PREFIX) else text
+
+
+_DIGEST_PREFIX = "sha256:"
+
+
+def _digest(text: str) -> str:
+    return _DIGEST_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # -- contention ----------------------------------------------------------------
@@ -264,7 +273,7 @@ def retry_after_error(value: object) -> str | None:
 
 def resource_of(lk: Lock) -> str:
     """The lock's key(s) as text, without the namespace prefix."""
-    return ", ".join(key.name.partition(":")[2] for key in lk.keys)
+    return ", ".join(key.unqualified for key in lk.keys)
 
 
 def _is_streaming(result: object) -> bool:

@@ -7,8 +7,20 @@ A key is one of:
   strings (hashed to int4);
 * a saved Django model instance, named ``"<app_label>.<model>:<pk>"``.
 
-Each primitive prefixes its namespace (``lock:``, ``task:``, ``leader:``) to
+Each primitive prefixes its namespace (``lock``, ``task``, ``leader``) to
 form the stored name, so ``lock("x")`` and ``TaskLock("x")`` never collide.
+Distinct keys get distinct names, which the admin shows as they are:
+
+* a string key ``"x"`` is stored as ``lock:x``;
+* a two-part key ``("order", 42)`` is stored as ``lock('order', 42)``: the
+  parts as Python literals (a string part quoted, an int part in digits)
+  in parentheses right after the namespace. A string key's name always has
+  ``:`` there, so no string can name the same lock as a two-part key;
+* a model instance is the string key ``"<app_label>.<model>:<pk>"``.
+
+The whole stored name must fit the ``name`` column
+(:data:`MAX_NAME_LENGTH` characters): a longer one is refused with
+:class:`InvalidLockKey`, never stored truncated.
 
 Advisory keys (PostgreSQL) are derived from the namespaced name with a stable
 hash, never Python's ``hash()``:
@@ -32,6 +44,8 @@ from django.db import models
 from django_dlock.exceptions import InvalidLockKey
 
 MAX_KEY_LENGTH = 255
+#: ``max_length`` of the ``name`` column of the ``Lock`` model (the stored name)
+MAX_NAME_LENGTH = 300
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1
 
 KeyPart = int | str
@@ -48,6 +62,17 @@ class Key:
     advisory: tuple[int, ...]
 
     def __str__(self) -> str:
+        return self.name
+
+    @property
+    def unqualified(self) -> str:
+        """The name without its namespace: ``"x"``, or ``"('order', 42)"``."""
+        namespace, colon, rest = self.name.partition(":")
+        if colon and namespace in NAMESPACES:
+            return rest
+        for namespace in NAMESPACES:
+            if self.name.startswith(namespace + "("):
+                return self.name[len(namespace) :]
         return self.name
 
 
@@ -121,7 +146,13 @@ def make_key(key: Any, namespace: str = "lock") -> Key:
             raise InvalidLockKey(f"a tuple key must have exactly two parts, got {len(key)}")
         text_a, int_a = _part(key[0], 0)
         text_b, int_b = _part(key[1], 1)
-        return Key(name=f"{namespace}:({text_a}, {text_b})", advisory=(int_a, int_b))
+        name = f"{namespace}({text_a}, {text_b})"
+        if len(name) > MAX_NAME_LENGTH:
+            raise InvalidLockKey(
+                f"the two-part key's stored name is {len(name)} characters long; the "
+                f"maximum is {MAX_NAME_LENGTH} (use shorter parts)"
+            )
+        return Key(name=name, advisory=(int_a, int_b))
     raise InvalidLockKey(
         "a lock key must be a str, a two-part tuple or a saved model instance, "
         f"not {type(key).__name__}"

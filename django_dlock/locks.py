@@ -23,22 +23,29 @@ properties (``fence``, ``lost``, ``token``) answer for the calling holder.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
 import logging
 import math
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
+from django.core.signals import setting_changed
 from django.db import connections, router
+from django.dispatch import receiver
 
 from django_dlock import metrics, signals
 from django_dlock.conf import (
+    MAX_SECONDS,
     conf,
     retry_interval_error,
     strategy_error,
@@ -54,7 +61,7 @@ from django_dlock.exceptions import (
     LockTimeout,
     StrategyNotSupported,
 )
-from django_dlock.identity import Holder, current_holder
+from django_dlock.identity import Holder, current_holder, current_task
 from django_dlock.keys import Key, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
@@ -66,6 +73,7 @@ __all__ = ["Lock", "lock"]
 logger = logging.getLogger("django_dlock")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 class _Unset:
@@ -89,10 +97,44 @@ class Holding:
     lost_reason: str = ""
     renewer: Renewer | None = None
     on_lost: Callable[[LockLost], None] | None = None
+    #: monotonic time before which the lease surely has not run out on the
+    #: database clock (``inf`` for strategies without a lease)
+    valid_until: float = math.inf
+    #: the lost holding this one replaced (re-acquired after the loss): it
+    #: comes back when this one is released, so its own levels raise LockLost
+    shadowed: Holding | None = None
 
     @property
     def name(self) -> str:
         return self.request.key.name
+
+    def may_have_expired(self) -> bool:
+        """Whether the lease may have run out (then only the database knows)."""
+        return time.monotonic() >= self.valid_until
+
+    def renewed(self, sent_at: float, ttl: float) -> None:
+        """The lease was set to ``ttl`` seconds by a statement sent at ``sent_at``.
+
+        The database stamped the new expiry at or after ``sent_at``, so the
+        lease lasts at least until ``sent_at + ttl`` on our monotonic clock.
+        """
+        if self.valid_until != math.inf:
+            self.valid_until = sent_at + ttl
+
+    def loss_reason(self, default: str) -> str:
+        """Why the database no longer has this holding, as the strategy can tell."""
+        explain = getattr(self.strategy, "loss_reason", None)
+        if explain is None:
+            return default
+        try:
+            reason: str = explain(self.request)
+        except Exception as exc:
+            return f"{default} (could not read why: {exc})"
+        return reason
+
+    def halt_renewal(self) -> None:
+        if self.renewer is not None:
+            self.renewer.halt()
 
     def error(self) -> LockLost:
         return LockLost(f"lock {self.name!r} was lost: {self.lost_reason}")
@@ -120,12 +162,132 @@ def _number_or_none(value: object, what: str, allow_zero: bool) -> float | None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{what} must be a finite number of seconds {bound}, got {value!r}")
+    if value > MAX_SECONDS:
+        raise ValueError(f"{what} must be at most {MAX_SECONDS:g} seconds, got {value!r}")
     return float(value)
 
 
 def _validated(problem: str | None) -> None:
     if problem is not None:
         raise ValueError(problem)
+
+
+def _holder_alive() -> Callable[[], bool]:
+    """A cheap test of whether the calling thread or asyncio task still runs."""
+    task = current_task()
+    if task is not None:
+        task_ref = weakref.ref(task)
+
+        def task_alive() -> bool:
+            found = task_ref()
+            return found is not None and not found.done()
+
+        return task_alive
+    thread_ref = weakref.ref(threading.current_thread())
+
+    def thread_alive() -> bool:
+        found = thread_ref()
+        return found is not None and found.is_alive()
+
+    return thread_alive
+
+
+def _off_the_loop(func: Callable[[], T]) -> T:
+    """Run a query from sync code that may be running inside an event loop.
+
+    ``held()`` and ``owned()`` are synchronous; called from a coroutine they
+    must not query on the event loop's thread (Django forbids it), so the
+    query runs in a short-lived thread that closes its connections.
+    """
+    if current_task() is None:
+        return func()
+
+    def run() -> T:
+        try:
+            return func()
+        finally:
+            connections.close_all()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="django-dlock-check") as pool:
+        return pool.submit(run).result()
+
+
+async def _to_the_end(func: Callable[[], None], what: str) -> None:
+    """Run ``func`` in a worker thread, to the end even if the task is cancelled.
+
+    A release must not be dropped because the task was cancelled before the
+    worker thread started it (``asyncio.wait_for``, a client that went
+    away): then it runs in a thread of its own, and its errors are logged.
+    """
+    mutex = threading.Lock()
+    state = {"started": False, "cancelled": False}
+
+    def run() -> None:
+        with mutex:
+            if state["cancelled"]:
+                return
+            state["started"] = True
+        func()
+
+    try:
+        await sync_to_async(run)()
+    except asyncio.CancelledError:
+        with mutex:
+            state["cancelled"] = True
+            started = state["started"]
+        if not started:
+            threading.Thread(
+                target=_run_logged, args=(func, what), name="django-dlock-release", daemon=True
+            ).start()
+        raise
+
+
+def _run_logged(func: Callable[[], None], what: str) -> None:
+    try:
+        func()
+    except Exception:
+        logger.exception("django-dlock: %s after a cancellation failed", what)
+    finally:
+        connections.close_all()
+
+
+#: the checked value of each default setting a lock uses, until settings change
+_DEFAULTS: dict[str, Any] = {}
+
+_DEFAULT_CHECKS: dict[str, tuple[Callable[[Any], str | None], type[Exception]]] = {
+    "DLOCK_DEFAULT_STRATEGY": (strategy_error, StrategyNotSupported),
+    "DLOCK_DEFAULT_TTL": (ttl_error, ValueError),
+    "DLOCK_DEFAULT_TIMEOUT": (timeout_error, ValueError),
+    "DLOCK_RETRY_INTERVAL": (retry_interval_error, ValueError),
+}
+
+
+def _default(setting: str) -> Any:
+    """The setting's value, checked (a named error if it is bad).
+
+    Read when a lock is used, never when it is created, and remembered until
+    a ``setting_changed`` signal (``override_settings``) says otherwise, so
+    that the hot path does not re-read and re-check four settings per call.
+    """
+    try:
+        return _DEFAULTS[setting]
+    except KeyError:
+        pass
+    value = conf._get(setting)
+    check, error = _DEFAULT_CHECKS[setting]
+    problem = check(value)
+    if problem is not None:
+        raise error(f"the {setting} setting: {problem}")
+    if setting in ("DLOCK_DEFAULT_TTL", "DLOCK_DEFAULT_TIMEOUT") and value is not None:
+        value = float(value)
+    _DEFAULTS[setting] = value
+    return value
+
+
+@receiver(setting_changed)
+def _forget_defaults(setting: str, **kwargs: Any) -> None:
+    if setting in _DEFAULT_CHECKS:
+        _DEFAULTS.clear()
 
 
 #: set while a ``with`` block or a decorated function is being left
@@ -171,11 +333,18 @@ class Lock:
             raises :class:`LockReentrantError` instead of counting.
         retry_interval: waiting policy when the database cannot wake
             waiters: seconds (jittered) or a function of the attempt number.
-        on_lost: called with a :class:`LockLost` when the lock is lost
-            (from the renewal thread).
+        on_lost: called once with a :class:`LockLost` when the lock is lost
+            (from the renewal thread, or from the call that found the loss).
         on_fail: for the decorator: ``"raise"`` (:class:`LockTimeout`) or
-            ``"skip"`` (return ``None`` without calling the function).
+            ``"skip"`` (return ``None`` without calling the function; logged
+            at INFO). A ``with`` block refuses ``"skip"`` (``ValueError``).
         shared: take a shared (read) lock where the strategy supports it.
+
+    Arguments given are checked at once. Values that come from settings
+    (``DLOCK_DEFAULT_*``, ``DLOCK_RETRY_INTERVAL``) are read when the lock is
+    used, so that a module declaring locks always imports; a bad setting then
+    raises the same named error before any SQL (and the system checks report
+    it at startup).
 
     Raises:
         InvalidLockKey: the key is not a valid key.
@@ -204,18 +373,25 @@ class Lock:
     ) -> None:
         self._raw_key = key
         self._keys: list[Key] | None = None if key is None else self._make_keys(key)
-        self.strategy_name = strategy if strategy is not None else conf.DEFAULT_STRATEGY
-        problem = strategy_error(self.strategy_name)
-        if problem is not None:
-            raise StrategyNotSupported(problem)
-        self.ttl = conf.DEFAULT_TTL if ttl is None else ttl
-        _validated(ttl_error(self.ttl))
-        self.ttl = float(self.ttl)
-        self.timeout = conf.DEFAULT_TIMEOUT if timeout is UNSET else timeout
-        _validated(timeout_error(self.timeout))
+        # Explicit arguments are checked now; values that come from settings
+        # are read and checked when the lock is used, so that importing code
+        # that declares locks never fails on a setting (the system checks
+        # report bad settings).
+        if strategy is not None:
+            problem = strategy_error(strategy)
+            if problem is not None:
+                raise StrategyNotSupported(problem)
+        self._strategy_arg = strategy
+        if ttl is not None:
+            _validated(ttl_error(ttl))
+        self._ttl_arg = None if ttl is None else float(ttl)
+        if timeout is not UNSET:
+            _validated(timeout_error(timeout))
+        self._timeout_arg = timeout
+        if retry_interval is not None:
+            _validated(retry_interval_error(retry_interval))
+        self._retry_arg = retry_interval
         self.max_hold = _number_or_none(max_hold, "max_hold", allow_zero=False)
-        self.retry_interval = conf.RETRY_INTERVAL if retry_interval is None else retry_interval
-        _validated(retry_interval_error(self.retry_interval))
         if on_fail not in ("raise", "skip"):
             raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
         if using is not None and using not in connections:
@@ -226,6 +402,44 @@ class Lock:
         self.on_lost = on_lost
         self.on_fail = on_fail
         self.shared = bool(shared)
+
+    # -- options that default to settings (read and checked at use) ---------
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)."""
+        if self._strategy_arg is not None:
+            return self._strategy_arg
+        value: str = _default("DLOCK_DEFAULT_STRATEGY")
+        return value
+
+    @property
+    def ttl(self) -> float:
+        """The lease length in seconds (``DLOCK_DEFAULT_TTL`` unless given)."""
+        if self._ttl_arg is not None:
+            return self._ttl_arg
+        value: float = _default("DLOCK_DEFAULT_TTL")
+        return value
+
+    @property
+    def timeout(self) -> float | None:
+        """How long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)."""
+        if self._timeout_arg is not UNSET:
+            given: float | None = self._timeout_arg
+            return given
+        value: float | None = _default("DLOCK_DEFAULT_TIMEOUT")
+        return value
+
+    @property
+    def retry_interval(self) -> Any:
+        """The waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)."""
+        if self._retry_arg is not None:
+            return self._retry_arg
+        return _default("DLOCK_RETRY_INTERVAL")
+
+    def _check_options(self) -> None:
+        """Read and check every option that comes from settings (before any SQL)."""
+        _ = self.strategy_name, self.ttl, self.timeout, self.retry_interval
 
     # -- keys ----------------------------------------------------------------
 
@@ -304,9 +518,56 @@ class Lock:
         return any(h.lost for h in self._holdings())
 
     def held(self) -> bool:
-        """Whether the calling holder holds every key (in memory, no query)."""
+        """Whether the calling holder holds every key.
+
+        Answered in memory, without a query, while the lease surely runs
+        (the lock was acquired or extended less than ``ttl`` seconds ago).
+        Past that point only the database knows: one query, and a lease
+        that has run out or was taken over is reported lost and not held.
+        A lost lock is never reported as held.
+        """
         held = self._holdings()
-        return len(held) == len(self.keys) and not any(h.lost for h in held)
+        if len(held) != len(self.keys):
+            return False
+        for holding in held:
+            if not holding.lost and holding.may_have_expired():
+                self._confirm(holding)
+        return not any(h.lost for h in held)
+
+    async def aheld(self) -> bool:
+        """Async :meth:`held`, for the calling task."""
+        holder = current_holder()
+        return bool(await sync_to_async(self._held_by)(holder))
+
+    def _held_by(self, holder: Holder) -> bool:
+        held = self._holdings(holder)
+        if len(held) != len(self.keys):
+            return False
+        for holding in held:
+            if not holding.lost and holding.may_have_expired():
+                self._confirm(holding, off_loop=False)
+        return not any(h.lost for h in held)
+
+    def _confirm(self, holding: Holding, off_loop: bool = True) -> bool:
+        """Ask the database whether ``holding`` is still ours; mark it lost if not."""
+        started = time.monotonic()
+        req = holding.request
+
+        def ask() -> str | None:
+            """``None`` if still ours, else why not (both read on the same thread)."""
+            if holding.strategy.owned(req):
+                return None
+            return holding.loss_reason("the database no longer has it")
+
+        reason = _off_the_loop(ask) if off_loop else ask()
+        if reason is not None:
+            holding.mark_lost(reason)
+            return False
+        if holding.valid_until != math.inf:
+            # Still ours: it runs until at least its expiry, which we do not
+            # know; look again at the next question.
+            holding.valid_until = started
+        return True
 
     # -- acquire ---------------------------------------------------------------
 
@@ -319,12 +580,20 @@ class Lock:
         return timeout
 
     def _reenter(self, holder: Holder, alias: str, strategy: Strategy, key: Key) -> bool:
-        """Count a re-entry if the holder already holds ``key``."""
+        """Count a re-entry if the holder still holds ``key``.
+
+        The database decides: when the lease may have run out, one statement
+        renews it if it is still ours. A holding that is lost is not
+        re-entered: the caller contends afresh (``False``).
+        """
         holding = _current(holder, (alias, strategy.family, key.name))
         if holding is None:
             return False
+        if not holding.lost and holding.may_have_expired():
+            self._renew_or_lose(holding, self._lease_ttl())
         if holding.lost:
-            raise holding.error()
+            holding.halt_renewal()
+            return False
         if not self.reentrant:
             raise LockReentrantError(
                 f"{key.name!r} is already held by this {holder.kind} and reentrant=False"
@@ -337,30 +606,62 @@ class Lock:
         holding.count += 1
         return True
 
+    @staticmethod
+    def _stale(holder: Holder, alias: str, strategy: Strategy, key: Key) -> Holding | None:
+        """The holder's holding of ``key`` if its lease may have run out."""
+        holding = _current(holder, (alias, strategy.family, key.name))
+        if holding is None or holding.lost or not holding.may_have_expired():
+            return None
+        return holding
+
+    @staticmethod
+    def _renew_or_lose(holding: Holding, ttl: float) -> None:
+        """One statement: renew the lease if it is still ours, else record the loss."""
+        sent_at = time.monotonic()
+        if holding.strategy.extend(holding.request, ttl):
+            holding.renewed(sent_at, ttl)
+        else:
+            holding.mark_lost(holding.loss_reason("the lease ran out before re-entry"))
+
+    def _lease_ttl(self) -> float:
+        return self.ttl if self.max_hold is None else min(self.ttl, self.max_hold)
+
     def _request(self, holder: Holder, alias: str, key: Key) -> Request:
-        ttl = self.ttl if self.max_hold is None else min(self.ttl, self.max_hold)
         return Request(
             key=key,
             alias=alias,
             token=holder.token(),
             owner=holder.owner(),
-            ttl=ttl,
+            ttl=self._lease_ttl(),
             shared=self.shared,
         )
 
     def _held(
-        self, holder: Holder, strategy: Strategy, req: Request, fence: int | None, wait: float
+        self,
+        holder: Holder,
+        strategy: Strategy,
+        req: Request,
+        fence: int | None,
+        sent_at: float,
+        wait: float,
     ) -> Holding:
+        slot = (req.alias, strategy.family, req.key.name)
         holding = Holding(request=req, strategy=strategy, fence=fence, on_lost=self.on_lost)
-        holder.holdings[(req.alias, strategy.family, req.key.name)] = holding
+        if strategy.family == "lease":
+            holding.valid_until = sent_at + req.ttl
+        previous = holder.holdings.get(slot)
+        if previous is not None:  # lost, and now acquired afresh
+            holding.shadowed = previous
+        holder.holdings[slot] = holding
         if self.renew:
             renewer = Renewer(
                 name=req.key.name,
                 alias=req.alias,
                 ttl=self.ttl,
                 max_hold=self.max_hold,
-                extend=functools.partial(strategy.extend, req),
-                on_lost=holding.mark_lost,
+                extend=functools.partial(self._renew, holding),
+                on_lost=self._renewal_lost(holding),
+                holder_alive=_holder_alive(),
             )
             holding.renewer = renewer
             renewer.start()
@@ -370,13 +671,34 @@ class Lock:
         )
         return holding
 
+    @staticmethod
+    def _renew(holding: Holding, ttl: float) -> bool:
+        sent_at = time.monotonic()
+        if holding.strategy.extend(holding.request, ttl):
+            holding.renewed(sent_at, ttl)
+            return True
+        return False
+
+    @staticmethod
+    def _renewal_lost(holding: Holding) -> Callable[[str], None]:
+        def lost(reason: str) -> None:
+            if reason == Renewer.REFUSED:
+                reason = holding.loss_reason("the renewal was refused")
+            holding.mark_lost(reason)
+
+        return lost
+
     def acquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Acquire the lock; ``True`` if acquired, ``False`` on timeout.
 
         ``timeout`` overrides the lock's timeout for this call (``None``
         waits forever, ``0`` tries once); ``blocking=False`` is ``timeout=0``.
+        Acquiring a lock the caller already holds counts one more level
+        (re-entry); if that holding was lost meanwhile, the loss is reported
+        (``lock_lost``, ``on_lost``) and the call contends like any other.
         """
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        self._check_options()
         if metrics.observer is not None:
             return metrics.observer.acquire(self, deadline, self._acquire)
         return self._acquire(deadline)
@@ -390,12 +712,13 @@ class Lock:
             for key in self.keys:
                 if not self._reenter(holder, alias, strategy, key):
                     req = self._request(holder, alias, key)
+                    sent_at = time.monotonic()
                     grant = strategy.acquire(req, deadline, self.retry_interval)
                     if grant is None:
                         self._undo(holder, alias, strategy, taken)
                         self._contended(key, deadline)
                         return False
-                    self._held(holder, strategy, req, grant.fence, deadline.elapsed())
+                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
                 taken.append(key)
         except BaseException:
             self._undo(holder, alias, strategy, taken)
@@ -403,8 +726,12 @@ class Lock:
         return True
 
     async def aacquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
-        """Async :meth:`acquire`: waits without blocking the event loop."""
+        """Async :meth:`acquire`: waits without blocking the event loop.
+
+        Cancelling the task while it waits leaves no lock behind.
+        """
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        self._check_options()
         if metrics.observer is not None:
             return await metrics.observer.aacquire(self, deadline, self._aacquire)
         return await self._aacquire(deadline)
@@ -416,21 +743,29 @@ class Lock:
         taken: list[Key] = []
         try:
             for key in self.keys:
+                stale = self._stale(holder, alias, strategy, key)
+                if stale is not None:  # the lease may have run out: ask, off the loop
+                    await sync_to_async(self._renew_or_lose)(stale, self._lease_ttl())
                 if not self._reenter(holder, alias, strategy, key):
                     req = self._request(holder, alias, key)
+                    sent_at = time.monotonic()
                     grant = await strategy.aacquire(req, deadline, self.retry_interval)
                     if grant is None:
-                        await sync_to_async(self._undo)(holder, alias, strategy, taken)
+                        undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+                        await _to_the_end(undo, f"giving back {self.name!r}")
                         self._contended(key, deadline)
                         return False
-                    self._held(holder, strategy, req, grant.fence, deadline.elapsed())
+                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
                 taken.append(key)
         except BaseException:
-            await sync_to_async(self._undo)(holder, alias, strategy, taken)
+            undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+            await _to_the_end(undo, f"giving back {self.name!r}")
             raise
         return True
 
     def _contended(self, key: Key, deadline: Deadline) -> None:
+        if self.on_fail == "skip":
+            return  # a skip is the expected outcome: _skipped() logs it (INFO)
         logger.warning(
             "django-dlock: %s is held by someone else; gave up after %.3fs",
             key.name,
@@ -450,17 +785,34 @@ class Lock:
     def _release_one(self, holder: Holder, holding: Holding) -> None:
         holding.count -= 1
         if holding.count > 0:
+            # An inner level: the lock stays held, but leaving it still
+            # reports a loss (asking the database if the lease may have run out).
+            if not holding.lost and holding.may_have_expired():
+                self._confirm(holding, off_loop=False)
+            if holding.lost:
+                raise holding.error()
             return
         req = holding.request
-        del holder.holdings[(req.alias, holding.strategy.family, req.key.name)]
+        slot = (req.alias, holding.strategy.family, req.key.name)
+        if holder.holdings.get(slot) is holding:
+            del holder.holdings[slot]
+            if holding.shadowed is not None:
+                holder.holdings[slot] = holding.shadowed
         renewer_error: BaseException | None = None
         if holding.renewer is not None:
             try:
                 holding.renewer.stop()
             except BaseException as exc:
                 renewer_error = exc
-        if not holding.lost and not holding.strategy.release(req):
-            holding.mark_lost("the lease had expired and was taken over before release")
+        if holding.lost:
+            # Known lost: the release only tidies up (a lease still ours is
+            # freed, a session forgets the key); what it says changes nothing.
+            try:
+                holding.strategy.release(req)
+            except Exception as exc:
+                logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
+        elif not holding.strategy.release(req):
+            holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
         if holding.lost:
             raise holding.error()
         held = time.monotonic() - holding.acquired_at
@@ -476,8 +828,10 @@ class Lock:
 
         Raises:
             LockNotOwned: the calling thread or task does not hold it.
-            LockLost: it was held but has been lost (the lease was taken
-                over, or a renewal failed). Nothing is changed.
+            LockLost: it was held but has been lost (its lease ran out or was
+                taken over or force-released, a renewal failed, or its
+                session ended). The holding is forgotten: the key can be
+                acquired again.
             DLockError: the strategy is transaction-scoped (``row``,
                 ``advisory_xact``): the transaction's end releases it.
         """
@@ -487,14 +841,7 @@ class Lock:
         if len(holdings) != len(self.keys):
             holder_name = f"{holder.kind} {holder.label!r}"
             raise LockNotOwned(f"{self.name!r} is not held by this {holder_name}")
-        first_error: BaseException | None = None
-        for holding in reversed(holdings):
-            try:
-                self._release_one(holder, holding)
-            except BaseException as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+        self._release_all(holder, holdings)
 
     async def arelease(self) -> None:
         """Async :meth:`release`."""
@@ -503,7 +850,8 @@ class Lock:
         holdings = self._holdings(holder)
         if len(holdings) != len(self.keys):
             raise LockNotOwned(f"{self.name!r} is not held by this task")
-        await sync_to_async(self._release_all)(holder, holdings)
+        release = functools.partial(self._release_all, holder, holdings)
+        await _to_the_end(release, f"releasing {self.name!r}")
 
     def _refuse_early_release(self) -> None:
         if _LEAVING.get() or not getattr(
@@ -541,14 +889,24 @@ class Lock:
         """Renew the lease for ``ttl`` seconds from now (database time).
 
         Raises:
+            ValueError: ``ttl`` is not a valid number of seconds (checked
+                first, whether or not the lock is held).
             LockNotOwned: the caller does not hold the lock.
-            LockLost: the lease was taken over; nothing was changed.
+            LockLost: the lease ran out, or was taken over or force-released;
+                nothing was changed (an expired lease is not revived).
         """
-        self._extend_all(self._holdings_to_extend(), ttl)
+        seconds = self._extend_ttl(ttl)
+        self._extend_all(self._holdings_to_extend(), seconds)
 
     async def aextend(self, ttl: float | None = None) -> None:
         """Async :meth:`extend`."""
-        await sync_to_async(self._extend_all)(self._holdings_to_extend(), ttl)
+        seconds = self._extend_ttl(ttl)
+        await sync_to_async(self._extend_all)(self._holdings_to_extend(), seconds)
+
+    def _extend_ttl(self, ttl: float | None) -> float:
+        seconds = self.ttl if ttl is None else ttl
+        _validated(ttl_error(seconds))
+        return float(seconds)
 
     def _holdings_to_extend(self) -> list[Holding]:
         holdings = self._holdings()
@@ -556,15 +914,15 @@ class Lock:
             raise LockNotOwned(f"{self.name!r} is not held by the caller")
         return holdings
 
-    def _extend_all(self, holdings: list[Holding], ttl: float | None) -> None:
-        seconds = self.ttl if ttl is None else ttl
-        _validated(ttl_error(seconds))
+    def _extend_all(self, holdings: list[Holding], seconds: float) -> None:
         for holding in holdings:
             if holding.lost:
                 raise holding.error()
-            if not holding.strategy.extend(holding.request, float(seconds)):
-                holding.mark_lost("the lease had expired and was taken over before extend")
+            sent_at = time.monotonic()
+            if not holding.strategy.extend(holding.request, seconds):
+                holding.mark_lost(holding.loss_reason("the database no longer had it at extend"))
                 raise holding.error()
+            holding.renewed(sent_at, seconds)
 
     # -- inspection (asks the database) -----------------------------------------
 
@@ -574,19 +932,40 @@ class Lock:
         strategy = self._strategy(alias)
         return any(strategy.locked(alias, key) for key in self.keys)
 
-    def owned(self) -> bool:
-        """Whether the calling holder holds every key, according to the database."""
-        holdings = self._holdings()
+    def owned(self, holder: Holder | None = None) -> bool:
+        """Whether the calling holder holds every key, according to the database.
+
+        ``holder`` answers for another thread or task (see
+        :func:`django_dlock.identity.current_holder`); from async code use
+        :meth:`aowned`, which answers for the calling task. A holding the
+        database no longer has is reported lost.
+        """
+        holdings = self._holdings(holder)
         if len(holdings) != len(self.keys) or any(h.lost for h in holdings):
             return False
-        return all(h.strategy.owned(h.request) for h in holdings)
+        return all(self._confirm(h, off_loop=holder is None) for h in holdings)
+
+    async def aowned(self) -> bool:
+        """Async :meth:`owned`: whether the calling *task* holds every key."""
+        holder = current_holder()
+        return bool(await sync_to_async(self.owned)(holder))
 
     # -- context managers ----------------------------------------------------
 
     def _timeout_error(self) -> LockTimeout:
         return LockTimeout(f"could not acquire {self.name!r} within {self.timeout} s")
 
+    def _refuse_skip(self) -> None:
+        if self.on_fail == "skip":
+            raise ValueError(
+                f'on_fail="skip" has no meaning for a `with` block ({self!r}): Python '
+                "cannot skip the block. Decorate a function instead, or use "
+                "`if lk.acquire(timeout=0):` (or TaskLock, whose `with` value says "
+                "whether to run)"
+            )
+
     def __enter__(self) -> Lock:
+        self._refuse_skip()
         if not self.acquire():
             raise self._timeout_error()
         return self
@@ -595,6 +974,7 @@ class Lock:
         self._exit(self.release, exc)
 
     async def __aenter__(self) -> Lock:
+        self._refuse_skip()
         if not await self.aacquire():
             raise self._timeout_error()
         return self
@@ -673,7 +1053,8 @@ class Lock:
 
     def __repr__(self) -> str:
         keys = "<decorator>" if self._keys is None else self.name
-        return f"<{type(self).__name__} {keys} strategy={self.strategy_name}>"
+        strategy = self._strategy_arg or conf.DEFAULT_STRATEGY
+        return f"<{type(self).__name__} {keys} strategy={strategy}>"
 
 
 class _Releasing:

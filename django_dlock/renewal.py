@@ -6,8 +6,13 @@ shortens the last renewals so the lease ends ``max_hold`` seconds after it
 was acquired, then stops. (The expiry itself is always computed by the
 database, ``now() + ttl``; the renewer only counts elapsed seconds.)
 
-When ``extend`` reports that the caller no longer owns the lease (taken over
-or force-released), the lock is lost at once. When ``extend`` raises (the
+The renewer stops, without a word to the database, when its holder (the
+thread or asyncio task that acquired the lock) is gone without releasing:
+it logs a warning naming the lock, and the lease then runs out on its own
+within its TTL.
+
+When ``extend`` reports that the caller no longer owns the lease (taken over,
+force-released or run out), the lock is lost at once. When ``extend`` raises (the
 database is unreachable), the renewer retries quickly until the lease would
 have run out, then declares the lock lost. Either way ``on_lost(reason)`` is
 called once, from the renewer's thread. The thread closes its own database
@@ -30,6 +35,9 @@ logger = logging.getLogger("django_dlock")
 
 
 class Renewer(threading.Thread):
+    #: the reason given to ``on_lost`` when the database refused a renewal
+    REFUSED = "the renewal was refused: the lease is no longer ours"
+
     def __init__(
         self,
         *,
@@ -40,6 +48,7 @@ class Renewer(threading.Thread):
         on_lost: Callable[[str], None],
         max_hold: float | None = None,
         interval: float | None = None,
+        holder_alive: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(name=f"django-dlock-renew {name}", daemon=True)
         self.alias = alias
@@ -50,8 +59,14 @@ class Renewer(threading.Thread):
         self.started_at = time.monotonic()
         self.hold_until = None if max_hold is None else self.started_at + max_hold
         self.renewals = 0
+        self.holder_alive = holder_alive
+        self.lock_name = name
         self._halt = threading.Event()
         self._error: BaseException | None = None
+
+    def halt(self) -> None:
+        """Stop renewing soon, without waiting for the thread."""
+        self._halt.set()
 
     def stop(self) -> None:
         """Stop renewing and wait for the thread; re-raise what it caught."""
@@ -75,6 +90,13 @@ class Renewer(threading.Thread):
         lease_end = time.monotonic() + self.ttl  # our estimate, for retries only
         wait = self.interval
         while not self._halt.wait(wait):
+            if self.holder_alive is not None and not self.holder_alive():
+                logger.warning(
+                    "django-dlock: the holder of %s ended without releasing it; renewal "
+                    "stopped, the lease runs out within its ttl",
+                    self.lock_name,
+                )
+                return
             now = time.monotonic()
             ttl = self.ttl
             if self.hold_until is not None:
@@ -91,7 +113,7 @@ class Renewer(threading.Thread):
                 wait = min(self.interval, max(0.05, (lease_end - time.monotonic()) / 4))
                 continue
             if not still_owned:
-                self.on_lost("the lease was taken over or force-released")
+                self.on_lost(self.REFUSED)
                 return
             self.renewals += 1
             lease_end = now + ttl

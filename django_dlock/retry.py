@@ -19,9 +19,11 @@ from django_dlock.conf import RetryInterval
 
 
 class Deadline:
-    """A wait budget: ``None`` waits forever, ``0`` tries once."""
+    """A wait budget: ``None`` (or infinity) waits forever, ``0`` tries once."""
 
     def __init__(self, timeout: float | None) -> None:
+        if timeout is not None and math.isinf(timeout):
+            timeout = None  # an infinite timeout is no timeout: wait forever
         self.timeout = timeout
         self.start = time.monotonic()
         self.end = math.inf if timeout is None else self.start + timeout

@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 from django.db import connections
 
 from django_dlock import signals
-from django_dlock.conf import conf
 from django_dlock.keys import Key
 from django_dlock.locks import Lock, _number_or_none
 from django_dlock.retry import Deadline
@@ -103,13 +102,13 @@ class TaskLock(Lock):
         low = _number_or_none(min_hold, "min_hold", allow_zero=True)
         self.min_hold = 0.0 if low is None else low
         high = _number_or_none(max_hold, "max_hold", allow_zero=False)
-        if high is None:
-            high = max(conf.DEFAULT_TTL, self.min_hold)
-        if self.min_hold > high:
+        if high is not None and self.min_hold > high:
             raise ValueError(
                 f"min_hold ({self.min_hold:g} s) must not exceed max_hold ({high:g} s): "
                 "the lease is taken for max_hold seconds"
             )
+        # Without max_hold the lease length comes from DLOCK_DEFAULT_TTL, read
+        # when the task runs (so that importing a module never fails on it).
         super().__init__(
             name,
             strategy="lease",
@@ -119,6 +118,13 @@ class TaskLock(Lock):
             max_hold=high,
             on_fail="skip",
         )
+
+    @property
+    def ttl(self) -> float:
+        """The lease length: ``max_hold``, else max(``DLOCK_DEFAULT_TTL``, ``min_hold``)."""
+        if self._ttl_arg is not None:
+            return self._ttl_arg
+        return max(super().ttl, self.min_hold)
 
     # -- the lease strategy with the min_hold release ---------------------
 
@@ -185,4 +191,5 @@ class TaskLock(Lock):
 
     def __repr__(self) -> str:
         keys = "<decorator>" if self._keys is None else self.name
-        return f"<TaskLock {keys} min_hold={self.min_hold:g} max_hold={self.ttl:g}>"
+        high = "<default>" if self._ttl_arg is None else f"{self._ttl_arg:g}"
+        return f"<TaskLock {keys} min_hold={self.min_hold:g} max_hold={high}>"

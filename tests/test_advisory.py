@@ -141,7 +141,7 @@ def test_string_key_is_the_documented_bigint_in_pg_locks():
 def test_two_part_keys_show_as_classid_objid(key, parts):
     a, b = parts
     with dlock.lock(key, strategy=ADV) as lk:
-        assert lk.name.startswith("lock:(")
+        assert lk.name.startswith("lock(")
         with connections["default"].cursor() as cur:
             cur.execute(
                 "SELECT classid::bigint, objid::bigint, objsubid FROM pg_locks "

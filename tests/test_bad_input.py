@@ -31,6 +31,7 @@ BAD_KEYS = [
     ((1, 2, 3), dlock.InvalidLockKey),
     ([], dlock.InvalidLockKey),
     (["ok", ""], dlock.InvalidLockKey),
+    (("a" * 200, "b" * 200), dlock.InvalidLockKey),
 ]
 
 BAD_OPTIONS = [
@@ -44,6 +45,9 @@ BAD_OPTIONS = [
     ({"max_hold": -1}, ValueError),
     ({"max_hold": math.inf}, ValueError),
     ({"retry_interval": math.nan}, ValueError),
+    ({"retry_interval": 1e12}, ValueError),
+    ({"ttl": 1e12}, ValueError),
+    ({"max_hold": 1e12}, ValueError),
     ({"on_fail": "ignore"}, ValueError),
     ({"strategy": "zookeeper"}, dlock.StrategyNotSupported),
     ({"strategy": None, "using": "no-such-db"}, ValueError),

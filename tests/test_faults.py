@@ -170,7 +170,8 @@ def test_paused_holder_is_fenced_off_by_the_resource(alias, tmp_path):
     ready, outcome = tmp_path / "ready", tmp_path / "outcome"
     resource = FencedResource(str(tmp_path / "resource"))
     proc = procs.start(_paused_holder, alias, str(ready), str(resource.path), str(outcome))
-    wait_until(ready.exists, timeout=60)
+    # (the file exists a moment before its text is written)
+    wait_until(lambda: ready.exists() and ready.read_text().strip() != "", timeout=60)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         stale_fence = int(ready.read_text())

@@ -107,7 +107,6 @@ def test_check_passes_with_good_settings(tmp_path):
     assert not re.search(r"dlock\.[EW]\d", result.stdout + result.stderr)
 
 
-@pytest.mark.xfail(strict=True, reason="lazy settings in Lock.__init__ (other branch)")
 @pytest.mark.parametrize(("settings", "check_id"), BAD_SETTINGS[:2])
 def test_check_reports_bad_settings_with_a_module_level_lock(tmp_path, settings, check_id):
     result = manage_check(tmp_path, LOCK_FUNCTIONS, **settings)

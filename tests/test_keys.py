@@ -30,7 +30,7 @@ def test_namespaces_keep_primitives_apart():
 def test_two_part_keys_map_to_two_int4():
     assert make_key((1, 2)).advisory == (1, 2)
     assert make_key(("order", 42)).advisory == (hash32("order"), 42)
-    assert make_key(("order", 42)).name == "lock:('order', 42)"
+    assert make_key(("order", 42)).name == "lock('order', 42)"
     assert make_key((-(2**31), 2**31 - 1)).advisory == (-(2**31), 2**31 - 1)
 
 

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Generator
+import threading
+from collections.abc import Callable, Generator
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -51,6 +53,7 @@ from django_dlock.retry import Deadline, interval
 from django_dlock.strategies.base import (
     Grant,
     Request,
+    close_private_connections,
     cursor,
     execute,
     fetch_one,
@@ -90,10 +93,10 @@ VALUES (%s, %s, %s, {{new_fence}}, statement_timestamp(),
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
-    fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence
-                 ELSE GREATEST(EXCLUDED.fence, l.fence + 1) END,
-    acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
-                       ELSE EXCLUDED.acquired_at END,
+    fence = CASE WHEN l.token = EXCLUDED.token AND l.expire_at > statement_timestamp()
+                 THEN l.fence ELSE GREATEST(EXCLUDED.fence, l.fence + 1) END,
+    acquired_at = CASE WHEN l.token = EXCLUDED.token AND l.expire_at > statement_timestamp()
+                       THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
     expire_at = EXCLUDED.expire_at
 WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token
 RETURNING fence{{returning}}
@@ -122,10 +125,10 @@ VALUES (%s, %s, %s,
 ON CONFLICT (name) DO UPDATE SET
     token = excluded.token,
     owner = excluded.owner,
-    fence = CASE WHEN {TABLE}.token = excluded.token THEN {TABLE}.fence
-                 ELSE {TABLE}.fence + 1 END,
-    acquired_at = CASE WHEN {TABLE}.token = excluded.token THEN {TABLE}.acquired_at
-                       ELSE excluded.acquired_at END,
+    fence = CASE WHEN {TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}}
+                 THEN {TABLE}.fence ELSE {TABLE}.fence + 1 END,
+    acquired_at = CASE WHEN {TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}}
+                       THEN {TABLE}.acquired_at ELSE excluded.acquired_at END,
     expire_at = excluded.expire_at
 WHERE {TABLE}.expire_at <= {{now}} OR {TABLE}.token = excluded.token
 RETURNING fence
@@ -135,9 +138,9 @@ _MYSQL_SELECT = (
     f"SELECT token, expire_at <= UTC_TIMESTAMP(6), fence FROM {TABLE} WHERE name = %s FOR UPDATE"
 )
 _MYSQL_TAKE = (
-    # acquired_at first: MySQL/MariaDB evaluate SET assignments left to right,
-    # so IF(token = ...) must see the old token.
-    f"UPDATE {TABLE} SET acquired_at = IF(token = %s, acquired_at, UTC_TIMESTAMP(6)), "
+    # The first parameter says whether this is the caller's own live lease
+    # (a retried acquire): it keeps its acquired_at.
+    f"UPDATE {TABLE} SET acquired_at = IF(%s, acquired_at, UTC_TIMESTAMP(6)), "
     "token = %s, owner = %s, fence = %s, "
     "expire_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND "
     "WHERE name = %s"
@@ -168,7 +171,7 @@ RETURNING fence
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
-    WHERE name = %s AND token = %s
+    WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
     RETURNING name{{returning}}
 )
 SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
@@ -177,6 +180,16 @@ _PG_RELEASE_SQL = {
     durable: _PG_RELEASE.format(returning="" if durable else _FAST_COMMIT)
     for durable in (True, False)
 }
+
+
+class _Handoff:
+    """What a worker thread's acquiring step and its (maybe cancelled) task share."""
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        self.cancelled = False
+        self.finished = False
+        self.result: Any = None
 
 
 class LeaseStrategy:
@@ -224,7 +237,7 @@ class LeaseStrategy:
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:
-        fence = await sync_to_async(self.try_acquire)(req)
+        fence = await self._attempt(self.try_acquire, req)
         if fence is not None:
             return Grant(fence)
         if deadline.expired():
@@ -249,13 +262,66 @@ class LeaseStrategy:
                         result = await asyncio.wait_for(waiter.async_event.wait(), pause)
                     waiter.clear()
                 else:
-                    result = await sync_to_async(self._step)(kind, req)
+                    result = await self._attempt(functools.partial(self._step, kind), req)
                 step = plan.send(result)
         except StopIteration as done:
             return None if done.value is None else Grant(done.value)
         finally:
             if listen is not None:
                 listen.unregister(req.key.name, waiter)
+
+    async def _attempt(self, step: Callable[[Request], Any], req: Request) -> Any:
+        """Run one acquiring step in a worker thread, safe against cancellation.
+
+        The statement cannot be stopped once it runs. If the task is
+        cancelled meanwhile (``asyncio.wait_for``, a client that went away),
+        a lease the step took is given back as soon as the step ends, so a
+        cancelled acquire leaves no lock behind.
+        """
+        handoff = _Handoff()
+
+        def run() -> Any:
+            result = step(req)
+            with handoff.mutex:
+                handoff.finished = True
+                handoff.result = result
+                give_back = handoff.cancelled
+            if give_back:
+                self._give_back(req, result)
+            return result
+
+        try:
+            return await sync_to_async(run)()
+        except asyncio.CancelledError:
+            with handoff.mutex:
+                handoff.cancelled = True
+                late = handoff.finished
+            if late:  # the step finished but its result never reached us
+                thread = threading.Thread(
+                    target=self._give_back_and_close,
+                    args=(req, handoff.result),
+                    name="django-dlock-give-back",
+                    daemon=True,
+                )
+                thread.start()
+            raise
+
+    def _give_back(self, req: Request, result: Any) -> None:
+        if isinstance(result, int) and not isinstance(result, bool):
+            try:
+                self.release(req)
+            except Exception:
+                logger.exception(
+                    "django-dlock: could not give back %s after a cancelled acquire",
+                    req.key.name,
+                )
+
+    def _give_back_and_close(self, req: Request, result: Any) -> None:
+        try:
+            self._give_back(req, result)
+        finally:
+            connections[req.alias].close()
+            close_private_connections()
 
     def _step(self, kind: str, req: Request) -> Any:
         """A waiter's look ("left") or try ("try"); an :class:`Outage` if the database is away."""
@@ -366,15 +432,14 @@ class LeaseStrategy:
             cur.execute(_MYSQL_INSERT, [req.key.name, req.token, req.owner, fence, req.ttl])
             return fence
         token, free, fence = row[0], bool(row[1]), int(row[2])
-        if token == req.token:
+        own = token == req.token and not free
+        if own:
             new_fence = fence
         elif free:
             new_fence = fence + 1
         else:
             return None
-        cur.execute(
-            _MYSQL_TAKE, [req.token, req.token, req.owner, new_fence, req.ttl, req.key.name]
-        )
+        cur.execute(_MYSQL_TAKE, [own, req.token, req.owner, new_fence, req.ttl, req.key.name])
         return new_fence
 
     # -- release, extend, inspect ---------------------------------------------
@@ -397,7 +462,10 @@ class LeaseStrategy:
             sql = _PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
             return fetch_one(connection, sql, [req.key.name, req.token]) is not None
         now = dbclock.now_sql(connection)
-        sql = f"UPDATE {TABLE} SET token = '', expire_at = {now} WHERE name = %s AND token = %s"
+        sql = (
+            f"UPDATE {TABLE} SET token = '', expire_at = {now} "
+            f"WHERE name = %s AND token = %s AND expire_at > {now}"
+        )
         return bool(execute(connection, sql, [req.key.name, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
@@ -407,10 +475,15 @@ class LeaseStrategy:
         return extended
 
     def _extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
+        now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
         fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
         returning = f" RETURNING 1{_FAST_COMMIT}" if fast else ""
-        sql = f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE name = %s AND token = %s"
+        # A lease that has run out is not revived, even if nobody took it.
+        sql = (
+            f"UPDATE {TABLE} SET expire_at = {now_plus} "
+            f"WHERE name = %s AND token = %s AND expire_at > {now}"
+        )
         return bool(execute(connection, sql + returning, [ttl, req.key.name, req.token])[1])
 
     def release_after(self, req: Request, min_hold: float) -> bool:
@@ -435,7 +508,7 @@ class LeaseStrategy:
         with cursor(connection) as cur:
             cur.execute(
                 f"UPDATE {TABLE} SET expire_at = {later}, token = '' "
-                "WHERE name = %s AND token = %s",
+                f"WHERE name = %s AND token = %s AND expire_at > {now}",
                 [float(min_hold), req.key.name, req.token],
             )
             return bool(cur.rowcount)
@@ -480,6 +553,37 @@ class LeaseStrategy:
     def owned(self, req: Request) -> bool:
         sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {{now}}"
         return self._read(req.alias, sql, [req.key.name, req.token]) is not None
+
+    def loss_reason(self, req: Request) -> str:
+        """Why ``req``'s lease is no longer the caller's, from what its row says now.
+
+        One read, only after an extend, release or check has failed: the
+        row's token was cleared (force-released in the admin or with
+        ``dlock_release``), belongs to someone else (taken over after the
+        lease ran out), is still the caller's but expired (nobody took it),
+        or the row is gone (deleted).
+        """
+        found = self._read(
+            req.alias,
+            f"SELECT token, CASE WHEN expire_at > {{now}} THEN 1 ELSE 0 END "
+            f"FROM {TABLE} WHERE name = %s",
+            [req.key.name],
+        )
+        if found is None:
+            return "its row was deleted (force-released and cleaned up)"
+        token, live = found[0], bool(found[1])
+        if token == req.token:
+            return "its lease expired on the database clock (nobody has taken it since)"
+        if token == "":
+            return (
+                "it was force-released (in the admin or with dlock_release), "
+                "or it expired and another holder took it and released it since"
+            )
+        if live:
+            return "its lease expired and was taken over by another holder"
+        return (
+            "its lease expired and was taken over by another holder (whose lease has run out since)"
+        )
 
     def seconds_left(self, alias: str, key: Key) -> float:
         """Seconds until the current lease of ``key`` ends (<= 0: free now)."""

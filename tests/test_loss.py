@@ -1,0 +1,173 @@
+"""The loss table, walked state by state and operation by operation.
+
+| event | owned()/held() | extend() | release() | leaving the block | acquire() again |
+| lease expired, nobody took it | False | LockLost | LockLost | LockLost | contends afresh |
+| another holder took it | False | LockLost | LockLost | LockLost | contends afresh |
+| advisory session died | False | LockLost | LockLost | LockLost | contends afresh |
+
+Leases really run out (a short ttl, waited for on the database clock), so
+the holder's own notion of time is part of what is tested. Each case also
+checks that the loss is reported exactly once (``lock_lost`` signal and
+``on_lost`` callback) and that the key can be acquired again afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connections
+
+import django_dlock as dlock
+from django_dlock import sessions, signals
+
+from .helpers import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+#: (strategy, alias, state)
+CASES = [
+    ("lease", "default", "expired"),
+    ("lease", "default", "taken"),
+    ("lease", "sqlite", "expired"),
+    ("lease", "sqlite", "taken"),
+    ("lease", "mysql", "expired"),
+    ("lease", "mysql", "taken"),
+    ("advisory", "default", "session died"),
+    ("advisory", "default", "taken"),
+]
+OPERATIONS = ["owned", "held", "extend", "release", "leave", "acquire"]
+
+TTL = 0.4
+
+
+class Losses:
+    """Counts lock_lost signals and on_lost calls for one name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.signals: list[str] = []
+        self.callbacks: list[dlock.LockLost] = []
+        self._mutex = threading.Lock()
+
+    def receiver(self, sender, name, strategy, reason, **kwargs):
+        if name == self.name:
+            with self._mutex:
+                self.signals.append(reason)
+
+    def on_lost(self, error: dlock.LockLost) -> None:
+        self.callbacks.append(error)
+
+
+def _kill_session(lk) -> None:
+    session = sessions.find("default", lk.token)
+    assert session is not None
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT pg_terminate_backend(%s)", [session.backend_pid])
+
+
+class Taker:
+    """Another thread that acquires ``key`` and holds it until stopped."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.holding = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def take(self, key, alias, strategy) -> None:
+        def hold():
+            try:
+                other = dlock.lock(key, using=alias, strategy=strategy, ttl=60)
+                if other.acquire(timeout=10):
+                    self.holding.set()
+                    self.done.wait(60)
+                    other.release()
+            finally:
+                connections.close_all()
+
+        self.thread = threading.Thread(target=hold)
+        self.thread.start()
+        assert self.holding.wait(15), "the other holder could not acquire"
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(30)
+
+
+def _lose(lk, key, alias, strategy, state, taker):
+    """Bring the lock held by ``lk`` into ``state``."""
+    if strategy == "lease":
+        # The lease really runs out, on the database clock.
+        wait_until(lambda: not lk.locked())
+        if state == "taken":
+            taker.take(key, alias, strategy)
+    else:
+        _kill_session(lk)
+        # The session watcher notices the closed connection on its own.
+        wait_until(lambda: lk.lost, timeout=30)
+        if state == "taken":
+            taker.take(key, alias, strategy)
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+@pytest.mark.parametrize(
+    ("strategy", "alias", "state"), CASES, ids=["-".join(case) for case in CASES]
+)
+def test_loss_table(strategy, alias, state, operation):
+    key = f"loss-{strategy}-{state.replace(' ', '-')}-{operation}"
+    losses = Losses(f"lock:{key}")
+    signals.lock_lost.connect(losses.receiver)
+    taker = Taker()
+    try:
+        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=TTL, on_lost=losses.on_lost)
+        if operation == "leave":
+            with pytest.raises(dlock.LockLost), lk:
+                _lose(lk, key, alias, strategy, state, taker)
+        else:
+            assert lk.acquire(timeout=0)
+            first_fence = lk.fence
+            _lose(lk, key, alias, strategy, state, taker)
+            if operation == "owned":
+                assert lk.owned() is False
+                assert lk.held() is False
+            elif operation == "held":
+                assert lk.held() is False
+                assert lk.owned() is False
+            elif operation == "extend":
+                with pytest.raises(dlock.LockLost):
+                    lk.extend()
+                assert lk.locked() is (state == "taken")  # an expired lease is not revived
+            if operation in ("owned", "held", "extend"):
+                with pytest.raises(dlock.LockLost):
+                    lk.release()
+            elif operation == "release":
+                with pytest.raises(dlock.LockLost) as info:
+                    lk.release()
+                assert isinstance(info.value, dlock.LockNotOwned)
+            elif operation == "acquire":
+                # Re-entry is refused by the database: the caller contends afresh
+                # (with a long lease this time, so that it surely runs meanwhile).
+                again = dlock.lock(key, using=alias, strategy=strategy, ttl=60).acquire(0)
+                assert again is (state != "taken")
+                if again:
+                    assert lk.held() and lk.owned()
+                    if strategy == "lease":
+                        assert lk.fence > first_fence
+                    lk.release()
+                # The lost level still reports its loss when it is left.
+                with pytest.raises(dlock.LockLost):
+                    lk.release()
+        # Reported exactly once, however many operations saw it.
+        assert len(losses.signals) == 1, losses.signals
+        assert len(losses.callbacks) == 1
+        assert not lk.held() and not lk.lost
+        with pytest.raises(dlock.LockNotOwned):
+            lk.release()
+        # After the loss is reported, the key can be acquired like any other.
+        if state != "taken":
+            assert lk.acquire(timeout=0)
+            lk.release()
+    finally:
+        taker.stop()
+        signals.lock_lost.disconnect(losses.receiver)
