@@ -56,15 +56,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import connections, router
+from django.db import DatabaseError, connections, router
 
 from django_dlock import notify, signals
-from django_dlock.exceptions import LockLost, StrategyNotSupported
+from django_dlock.exceptions import DLockError, LockLost, StrategyNotSupported
 from django_dlock.identity import worker
 from django_dlock.keys import Key, make_key
-from django_dlock.strategies.base import Request, close_private_connections, require_postgresql
+from django_dlock.strategies.base import Request, close_private_connections
 
-__all__ = ["LeaderElection", "LeaderRecord", "Leadership", "current_leadership"]
+__all__ = ["LeaderElection", "LeaderRecord", "Leadership", "TargetDied", "current_leadership"]
 
 logger = logging.getLogger("django_dlock")
 
@@ -74,8 +74,23 @@ T = TypeVar("T")
 STRATEGIES = ("lease", "advisory")
 #: Kubernetes' jitter factor: renew_deadline must exceed retry * JITTER
 JITTER = 1.2
+#: the reason of a graceful end of a term
+STEPPING_DOWN = "stepping down"
 #: a standby looks again this long after the lease it saw should have ended
 EXPIRY_MARGIN = 0.01
+
+
+def _now() -> float:
+    """Seconds on a clock that keeps counting while the process (or the machine) sleeps.
+
+    ``CLOCK_BOOTTIME`` where it exists (Linux): a leader frozen by SIGSTOP, a
+    debugger or a suspended machine must find its deadline passed when it
+    runs again. It is system-wide, so a child process can compare with it.
+    """
+    return time.clock_gettime(_CLOCK)
+
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
 _current: contextvars.ContextVar[Leadership | None] = contextvars.ContextVar(
     "django_dlock_leadership", default=None
@@ -115,6 +130,13 @@ class LeaderRecord:
 class Leadership:
     """One term of leadership of this process, handed to the target.
 
+    The term is valid until its *renew deadline* (``renew_deadline`` seconds
+    after the start of the last successful renewal), judged on this
+    process's own clock. :attr:`ended` becomes true the moment that deadline
+    passes, even before the election's thread has noticed (after the process
+    was frozen, for example): check it right before each write that only the
+    leader may make, and fence the write with :attr:`term`.
+
     Attributes:
         name: the election's name.
         term: the term number (fencing number): strictly greater than every
@@ -130,18 +152,42 @@ class Leadership:
         self._ended = threading.Event()
         self._mutex = threading.Lock()
         self._callbacks: list[Callable[[], None]] = []
+        #: the renew deadline (:func:`_now` seconds); the election moves it on
+        self._valid_until = math.inf
 
     @property
     def ended(self) -> bool:
-        """True once this term is over (or is being handed over): stop working."""
-        return self._ended.is_set()
+        """True once this term is over (or is being handed over): stop working.
+
+        Also true as soon as the renew deadline has passed on this process's
+        clock, before the election has confirmed the loss.
+        """
+        return self._ended.is_set() or _now() >= self._valid_until
+
+    @property
+    def stepping_down(self) -> bool:
+        """True when the term ends gracefully: the lease is kept until the target returns."""
+        return self._ended.is_set() and self.reason == STEPPING_DOWN and not self._expired()
+
+    def _expired(self) -> bool:
+        return _now() >= self._valid_until
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep up to ``timeout`` seconds; return True as soon as the term ends.
 
         The loop of a leader's work: ``while not leadership.wait(interval): ...``.
         """
-        return self._ended.wait(timeout)
+        end = None if timeout is None else _now() + timeout
+        while True:
+            now = _now()
+            left = self._valid_until - now
+            if left <= 0:
+                return True
+            step = left if end is None else min(left, end - now)
+            if step <= 0:
+                return self.ended
+            if self._ended.wait(step):
+                return True
 
     def check(self) -> None:
         """Raise :class:`LockLost` if this term is over.
@@ -150,7 +196,8 @@ class Leadership:
         end of a term and campaigns again.
         """
         if self.ended:
-            raise LockLost(f"leadership of {self.name!r} (term {self.term}) ended: {self.reason}")
+            reason = self.reason or "its renew deadline passed"
+            raise LockLost(f"leadership of {self.name!r} (term {self.term}) ended: {reason}")
 
     async def wait_ended(self) -> None:
         """Await the end of this term (asyncio)."""
@@ -186,8 +233,67 @@ class Leadership:
             callback()
 
     def __repr__(self) -> str:
-        state = f"ended: {self.reason}" if self.ended else "active"
+        state = f"ended: {self.reason or 'renew deadline passed'}" if self.ended else "active"
         return f"<Leadership {self.name!r} term={self.term} {state}>"
+
+
+class TargetDied(DLockError):
+    """An isolated target's process ended without returning (killed, crashed)."""
+
+
+def _stop_process(process: Any, grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    process.terminate()
+    process.join(grace)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _isolated_main(
+    conn: Any,
+    settings_module: str,
+    target: Callable[[Leadership], Any],
+    term: tuple[str, int, str],
+    valid_until: float,
+) -> None:
+    """The child process of :meth:`LeaderElection.run` with ``isolate=True``."""
+    import os
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader handles Ctrl-C
+    if settings_module:
+        os.environ["DJANGO_SETTINGS_MODULE"] = settings_module
+    import django
+
+    django.setup()
+    leadership = Leadership(*term)
+    leadership._valid_until = valid_until
+
+    def listen() -> None:
+        try:
+            while True:
+                kind, value = conn.recv()
+                if kind == "until":
+                    leadership._valid_until = value
+                elif kind == "end":
+                    leadership._end(value)
+        except (EOFError, OSError):
+            # The leader process is gone: nobody renews this term any more.
+            os._exit(70)
+
+    threading.Thread(target=listen, name="django-dlock-isolated-listen", daemon=True).start()
+    _current.set(leadership)
+    try:
+        answer: tuple[str, Any] = ("returned", target(leadership))
+    except BaseException as exc:
+        answer = ("raised", exc)
+    finally:
+        connections.close_all()
+    try:
+        conn.send(answer)
+    except Exception as exc:  # the value or the exception cannot be pickled
+        conn.send(("raised", TargetDied(f"the isolated target's answer cannot be sent: {exc!r}")))
+    conn.close()
 
 
 # -- database access, per strategy ------------------------------------------------
@@ -294,6 +400,7 @@ class _AdvisoryBackend:
         self.advisory = get_strategy("advisory")
         self.lease = lease
         self.on_lost = on_lost
+        self.warned = False
 
     def acquire(self, req: Request, wait: float) -> int | None:
         from django_dlock.identity import current_holder
@@ -331,7 +438,62 @@ class _AdvisoryBackend:
         return unlocked and released
 
     def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        return _read_record(req.alias, req.key, lease), 0.0
+        record = _read_record(req.alias, req.key, lease)
+        if record is None:  # no unexpired lease: is the lock's holder frozen?
+            self._end_frozen_holder(req, lease)
+        return record, 0.0
+
+    def _end_frozen_holder(self, req: Request, lease: float) -> None:
+        """End the session of a holder that neither renews nor lets go.
+
+        A frozen leader (SIGSTOP, a stuck VM) keeps its session, so it keeps
+        the advisory lock, but it stops renewing: its lease row expires and
+        its session stays idle. When both are true on the database clock
+        (the row has expired and the holder's session has run nothing for
+        ``lease`` seconds), the standby ends that session with
+        ``pg_terminate_backend``; the lock is then free. A new leader that
+        has just taken the lock is never mistaken for it: its session has
+        just run the lock statement.
+        """
+        from django_dlock.strategies.advisory import PG_LOCKS_MATCH, pg_locks_ids
+        from django_dlock.strategies.base import fetch_one, lock_connection
+
+        if self.lease.seconds_left(req.alias, req.key) > 0:
+            return
+        connection = lock_connection(req.alias)
+        found = fetch_one(
+            connection,
+            "SELECT pid, EXTRACT(EPOCH FROM clock_timestamp() - state_change) "
+            "FROM pg_stat_activity WHERE pid = (SELECT pid FROM pg_locks WHERE "
+            + PG_LOCKS_MATCH
+            + " LIMIT 1)",
+            list(pg_locks_ids(req.key)),
+        )
+        if found is None or found[1] is None or float(found[1]) <= lease:
+            return  # nobody holds it, a fresh holder, or its activity is not visible to us
+        pid, idle = int(found[0]), float(found[1])
+        try:
+            fetch_one(connection, "SELECT pg_terminate_backend(%s)", [pid])
+        except DatabaseError as exc:
+            if not self.warned:
+                self.warned = True
+                logger.error(
+                    "django-dlock: %s: the leader's session (backend %d) has been idle for "
+                    "%.1f s and its lease has expired, but this candidate may not end it "
+                    "(pg_terminate_backend needs the same role or pg_signal_backend): %s",
+                    req.key.name,
+                    pid,
+                    idle,
+                    exc,
+                )
+            return
+        logger.warning(
+            "django-dlock: %s: ended the session of a frozen leader (backend %d, idle for "
+            "%.1f s, lease expired)",
+            req.key.name,
+            pid,
+            idle,
+        )
 
     def close(self) -> None:
         return None
@@ -514,8 +676,12 @@ class LeaderElection:
         self.on_started_leading = on_started_leading
         self.on_stopped_leading = on_stopped_leading
         self.on_new_leader = on_new_leader
-        if strategy == "advisory":
-            require_postgresql(strategy, connections[self.alias])
+        if strategy == "advisory" and connections[self.alias].vendor != "postgresql":
+            raise StrategyNotSupported(
+                f"the advisory election needs PostgreSQL; database {self.alias!r} is "
+                f"{connections[self.alias].vendor}: use the lease strategy "
+                '(strategy="lease", runworker --strategy lease), which works on every database'
+            )
         self._backend: _Backend
         if strategy == "advisory":
             self._backend = _AdvisoryBackend(self._session_lost)
@@ -562,7 +728,7 @@ class LeaderElection:
         """Whether this process leads now (no query: judged by the renew deadline)."""
         with self._mutex:
             held = self._leadership
-            return held is not None and not held.ended and time.monotonic() < self._valid_until
+            return held is not None and not held.ended and _now() < self._valid_until
 
     @property
     def term(self) -> int | None:
@@ -659,7 +825,13 @@ class LeaderElection:
 
     # -- run a target while leading --------------------------------------------------
 
-    def run(self, target: Callable[[Leadership], T], *, handle_signals: bool = True) -> T | None:
+    def run(
+        self,
+        target: Callable[[Leadership], T],
+        *,
+        handle_signals: bool = True,
+        isolate: bool = False,
+    ) -> T | None:
         """Campaign, and call ``target(leadership)`` each time this process leads.
 
         Blocks until :meth:`stop` is called (or SIGTERM/SIGINT arrives, when
@@ -673,6 +845,15 @@ class LeaderElection:
         When the target returns while still leading, the process steps down
         and ``run`` returns its value; any other exception steps down and
         propagates. Returns ``None`` when stopped.
+
+        ``isolate=True`` runs each term's target in a child process (started
+        with ``multiprocessing``'s ``spawn`` method, which sets Django up
+        again from ``DJANGO_SETTINGS_MODULE``): a target that holds the GIL,
+        or blocks in C code, cannot starve the renewals of this process.
+        When the term is lost the child is stopped (SIGTERM, then SIGKILL);
+        on a graceful stop its ``Leadership`` ends and it may finish. The
+        target must be picklable (a module-level function, or a
+        ``functools.partial`` of one), and so must what it returns or raises.
         """
         restore = self._handle_signals() if handle_signals else None
         self.start()
@@ -685,7 +866,10 @@ class LeaderElection:
                 self._target_thread = threading.current_thread()
                 context = _current.set(leadership)
                 try:
-                    result = target(leadership)
+                    if isolate:
+                        result = self._run_isolated(target, leadership)
+                    else:
+                        result = target(leadership)
                 except LockLost:
                     if leadership.ended:
                         continue
@@ -700,6 +884,78 @@ class LeaderElection:
             if restore is not None:
                 restore()
             self.stop()
+
+    def _run_isolated(self, target: Callable[[Leadership], T], leadership: Leadership) -> T:
+        """Run ``target`` for ``leadership`` in a child process (see :meth:`run`)."""
+        import multiprocessing
+        import multiprocessing.connection
+        import os
+
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        child = context.Process(
+            target=_isolated_main,
+            args=(
+                theirs,
+                os.environ.get("DJANGO_SETTINGS_MODULE", ""),
+                target,
+                (leadership.name, leadership.term, leadership.identity),
+                leadership._valid_until,
+            ),
+            name=f"django-dlock-isolated {self.key.name}",
+            daemon=True,
+        )
+        child.start()
+        theirs.close()
+        sent_until = leadership._valid_until
+        told_to_finish = False
+        grace = min(1.0, (self.lease - self.renew_deadline) / 2)
+        try:
+            while True:
+                ready = multiprocessing.connection.wait([ours, child.sentinel], timeout=0.05)
+                if ours in ready:
+                    try:
+                        kind, value = ours.recv()
+                    except (EOFError, OSError):
+                        kind, value = "died", None
+                    if kind == "returned":
+                        result: T = value
+                        return result
+                    if kind == "raised":
+                        assert isinstance(value, BaseException)
+                        raise value
+                elif child.sentinel in ready and not ours.poll():
+                    kind = "died"
+                else:
+                    kind = ""
+                if kind == "died":
+                    child.join(grace)
+                    if leadership.ended:
+                        leadership.check()
+                    raise TargetDied(
+                        f"the isolated target of {self.key.name!r} (pid {child.pid}) ended "
+                        f"without an answer (exit code {child.exitcode})"
+                    )
+                if leadership.ended and not leadership.stepping_down:
+                    logger.warning(
+                        "django-dlock: %s: term %s is over; stopping its isolated target (pid %s)",
+                        self.key.name,
+                        leadership.term,
+                        child.pid,
+                    )
+                    _stop_process(child, grace)
+                    leadership.check()
+                with contextlib.suppress(OSError):
+                    if leadership._valid_until != sent_until:
+                        sent_until = leadership._valid_until
+                        ours.send(("until", sent_until))
+                    if leadership.stepping_down and not told_to_finish:
+                        told_to_finish = True
+                        ours.send(("end", leadership.reason))
+        finally:
+            ours.close()
+            if child.is_alive():
+                _stop_process(child, grace)
 
     async def arun(
         self, target: Callable[[Leadership], Awaitable[T]], *, handle_signals: bool = True
@@ -910,26 +1166,26 @@ class LeaderElection:
                     continue
                 pause = self._campaign()
                 if self._leadership is not None:
-                    next_renew = time.monotonic() + self.retry
+                    next_renew = _now() + self.retry
                 self._pause(pause)
                 continue
             if stop and (force or not busy):
                 self._step_down()
                 return
             if stop:
-                held._end("stepping down")  # tell the target; keep renewing meanwhile
+                held._end(STEPPING_DOWN)  # tell the target; keep renewing meanwhile
             if self._lost_session is not None:
                 self._lose(f"the advisory lock's session ended: {self._lost_session}")
                 continue
-            if time.monotonic() >= self._valid_until:
+            if _now() >= self._valid_until:
                 self._lose("the renew deadline passed before a renewal could start")
                 continue
-            wait = next_renew - time.monotonic()
+            wait = next_renew - _now()
             if wait > 0:
                 self._pause(wait)
                 continue
             pause = self._renew()
-            next_renew = time.monotonic() + pause
+            next_renew = _now() + pause
 
     def _pause(self, seconds: float) -> None:
         if seconds > 0:
@@ -947,7 +1203,7 @@ class LeaderElection:
         mistaken for the next term.
         """
         assert self._io is not None and self._req is not None
-        submitted = time.monotonic()
+        submitted = _now()
         future = self._io.submit(func, *args)
         try:
             return True, future.result(timeout=max(0.0, until - submitted))
@@ -958,7 +1214,7 @@ class LeaderElection:
             label = f"django-dlock-elect {self.key.name}"
             self._io = _IOThread(self.alias, label, self._backend)
             self._req = self._new_request()
-            waited = time.monotonic() - submitted
+            waited = _now() - submitted
             return False, TimeoutError(f"the database did not answer within {waited:.3g} s")
         except Exception as exc:
             return False, exc
@@ -966,7 +1222,7 @@ class LeaderElection:
     def _campaign(self) -> float:
         """One attempt to lead; returns how long to wait before the next step."""
         assert self._req is not None
-        started = time.monotonic()
+        started = _now()
         wait = self._jittered()
         self._lost_session = None
         ok, result = self._call(
@@ -977,16 +1233,16 @@ class LeaderElection:
             return self._jittered()
         if result is not None:
             assert isinstance(result, int)
-            if time.monotonic() >= started + self.renew_deadline:
+            if _now() >= started + self.renew_deadline:
                 self._call(self._backend.release, self._req, until=started + self.lease)
                 return self._jittered()
             self._begin_term(result, started)
             return 0.0
         ok, seen = self._call(
-            self._backend.observe, self._req, self.lease, until=time.monotonic() + self.retry
+            self._backend.observe, self._req, self.lease, until=_now() + self.retry
         )
         # A backend that waited for the leadership already spent the pause.
-        pause = max(0.0, wait - (time.monotonic() - started))
+        pause = max(0.0, wait - (_now() - started))
         if ok:
             assert isinstance(seen, tuple)
             record, left = seen
@@ -1001,12 +1257,23 @@ class LeaderElection:
     def _renew(self) -> float:
         """One renewal; returns how long to wait before the next one."""
         assert self._req is not None
-        started = time.monotonic()
+        started = _now()
         deadline = self._valid_until
         ok, result = self._call(self._backend.renew, self._req, until=deadline)
         if ok and result is True:
             with self._mutex:
-                self._valid_until = started + self.renew_deadline
+                held = self._leadership
+                # A term whose deadline has passed stays over, even if a
+                # renewal started in time answers late: its target may have
+                # seen it end already.
+                expired = _now() >= deadline
+                if not expired:
+                    self._valid_until = started + self.renew_deadline
+                    if held is not None:
+                        held._valid_until = self._valid_until
+            if expired:
+                self._lose("the renew deadline passed while a renewal was answering")
+                return 0.0
             return self.retry
         if ok:
             self._lose(
@@ -1016,13 +1283,13 @@ class LeaderElection:
                 else "the lease was taken over or force-released"
             )
             return 0.0
-        if time.monotonic() >= deadline or isinstance(result, TimeoutError):
+        if _now() >= deadline or isinstance(result, TimeoutError):
             self._lose(
                 f"could not renew within renew_deadline ({self.renew_deadline:g} s): {result}"
             )
             return 0.0
         logger.warning("django-dlock: %s: renewal failed, retrying: %s", self.key.name, result)
-        return min(self.retry, max(0.05, (deadline - time.monotonic()) / 3))
+        return min(self.retry, max(0.05, (deadline - _now()) / 3))
 
     def _observe(self, identity: str, term: int) -> None:
         if self._observed == (identity, term):
@@ -1042,6 +1309,7 @@ class LeaderElection:
         with self._changed:
             self._leadership = leadership
             self._valid_until = started + self.renew_deadline
+            leadership._valid_until = self._valid_until
             self._changed.notify_all()
         logger.info("django-dlock: %s: became leader (term %s)", self.key.name, term)
         self._observe(self.identity, term)
@@ -1063,7 +1331,7 @@ class LeaderElection:
 
     def _step_down(self) -> None:
         assert self._req is not None
-        started = time.monotonic()
+        started = _now()
         ok, result = self._call(self._backend.release, self._req, until=started + self.retry)
         if not ok:
             logger.warning("django-dlock: %s: release failed: %s", self.key.name, result)
