@@ -469,23 +469,31 @@ class _AdvisoryBackend:
             + " LIMIT 1)",
             list(pg_locks_ids(req.key)),
         )
-        if found is None or found[1] is None or float(found[1]) <= lease:
-            return  # nobody holds it, a fresh holder, or its activity is not visible to us
+        if found is not None and found[1] is None:
+            self._warn_once(
+                "django-dlock: %s: the lease has expired but the advisory lock is held by a "
+                "session whose activity this candidate cannot see (backend %s): connect as "
+                "the same role, or grant pg_read_all_stats and pg_signal_backend, so that a "
+                "frozen leader can be replaced",
+                req.key.name,
+                found[0],
+            )
+            return
+        if found is None or float(found[1]) <= lease:
+            return  # nobody holds it, or a holder that ran a statement within the lease
         pid, idle = int(found[0]), float(found[1])
         try:
             fetch_one(connection, "SELECT pg_terminate_backend(%s)", [pid])
         except DatabaseError as exc:
-            if not self.warned:
-                self.warned = True
-                logger.error(
-                    "django-dlock: %s: the leader's session (backend %d) has been idle for "
-                    "%.1f s and its lease has expired, but this candidate may not end it "
-                    "(pg_terminate_backend needs the same role or pg_signal_backend): %s",
-                    req.key.name,
-                    pid,
-                    idle,
-                    exc,
-                )
+            self._warn_once(
+                "django-dlock: %s: the leader's session (backend %d) has been idle for "
+                "%.1f s and its lease has expired, but this candidate may not end it "
+                "(pg_terminate_backend needs the same role or pg_signal_backend): %s",
+                req.key.name,
+                pid,
+                idle,
+                exc,
+            )
             return
         logger.warning(
             "django-dlock: %s: ended the session of a frozen leader (backend %d, idle for "
@@ -494,6 +502,11 @@ class _AdvisoryBackend:
             pid,
             idle,
         )
+
+    def _warn_once(self, message: str, *args: Any) -> None:
+        if not self.warned:
+            self.warned = True
+            logger.error(message, *args)
 
     def close(self) -> None:
         return None

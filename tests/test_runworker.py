@@ -734,3 +734,40 @@ def test_jobs_work_again_after_a_postgresql_restart(strategy, tmp_path):
         assert first_ok <= 1 and all(r["ok"] for r in after[first_ok:]), after
     finally:
         cluster.destroy()
+
+
+@db
+def test_an_advisory_standby_that_may_not_end_the_frozen_leaders_session_waits(tmp_path):
+    """Without the privilege to see and end the holder's session, no take-over (documented)."""
+    from django.db import connection
+
+    role = f"dlock_weak{os.environ.get('DLOCK_TEST_DB_SUFFIX', '')}"
+    with connection.cursor() as cur:
+        cur.execute(f'DROP ROLE IF EXISTS "{role}"')
+        cur.execute(f'CREATE ROLE "{role}" LOGIN NOSUPERUSER')
+        cur.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA public TO "{role}"')
+        cur.execute(f'GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO "{role}"')
+    args = [
+        "--job", "tests.jobs.hello", "--interval", "0.2", "--election", "weak",
+        "--strategy", "advisory", *FAST,
+    ]  # fmt: skip
+    leader = Worker(*args)  # a superuser's session: only a superuser may end it
+    standby = None
+    try:
+        wait_until(lambda: leader.leading, 60)
+        standby = Worker(*args, env={"DLOCK_TEST_PG_USER": role})
+        wait_until(lambda: standby.first("standing by") is not None, 60)
+        stopped = time.monotonic()
+        leader.signal(signal.SIGSTOP)
+        time.sleep(LEASE + RETRY + SLACK)
+        assert standby.first("became leader", stopped) is None
+        leader.signal(signal.SIGCONT)  # it finds its term over and lets go
+        wait_until(lambda: standby.first("became leader", stopped) is not None, 10)
+    finally:
+        leader.signal(signal.SIGCONT)
+        leader.kill()
+        if standby is not None:
+            standby.kill()
+        with connection.cursor() as cur:
+            cur.execute(f'DROP OWNED BY "{role}"')
+            cur.execute(f'DROP ROLE "{role}"')
