@@ -508,7 +508,7 @@ def test_arun_steps_down_on_a_signal_and_returns(signum):
 
 def test_a_term_ends_at_its_renew_deadline_even_before_the_election_notices():
     from django_dlock.exceptions import LockLost
-    from django_dlock.leader import _now
+    from django_dlock.leader.leadership import _now
 
     leadership = Leadership("deadline", 7, "me")
     leadership._valid_until = _now() + 0.3

@@ -1,48 +1,10 @@
-"""``LeaderElection``: exactly one process of many acts as the leader.
-
-Kubernetes leader-election semantics on the site's own database::
-
-    election = dlock.LeaderElection("scheduler", lease=15, renew_deadline=10, retry=2)
-
-    def lead(leadership):                      # called on this process's terms
-        while not leadership.wait(60):         # True once leadership ends
-            run_the_schedule(fence=leadership.term)
-
-    election.run(lead)                         # blocks; SIGTERM/SIGINT step down
-
-* Every candidate tries to take the election's lease (a row of the ``Lock``
-  table named ``leader:<name>``) every ``retry`` seconds (sooner when the
-  lease is about to end, at once on PostgreSQL when the leader releases it:
-  ``LISTEN/NOTIFY``). The winner leads for ``lease`` seconds and renews every
-  ``retry`` seconds.
-* **term**: each leadership gets the fencing number of its acquisition,
-  strictly greater than every earlier term of the election.
-* **renew_deadline**: a leader that has not renewed successfully for
-  ``renew_deadline`` seconds (counted from the *start* of its last
-  successful renewal, so before the database could have ended the lease)
-  stops leading at once, even while a renewal is still hanging. The lease
-  then still has ``lease - renew_deadline`` seconds to run: that is the
-  margin the leader's work has to notice and stop before anyone else can
-  lead.
-* **graceful stop** (:meth:`LeaderElection.stop`, SIGTERM/SIGINT in
-  :meth:`LeaderElection.run`, the end of ``with``): the running target is
-  told to finish, then the lease is released at once, so a standby takes
-  over within about one ``retry`` interval (at once on PostgreSQL).
-* ``strategy="advisory"`` (PostgreSQL) holds a session-level advisory lock
-  as the source of truth, so a killed leader is replaced as soon as its
-  connection ends; the lease row still records the leader and its term.
-
-Identity is per process (the worker: host and pid, or ``identity=``), never
-per thread: any thread of the process sees the same ``is_leader``.
-"""
+"""``LeaderElection``: the election's state machine, its threads and ``run``."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
-import datetime as dt
 import logging
 import math
 import queue
@@ -50,21 +12,32 @@ import random
 import secrets
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import DatabaseError, connections, router
+from django.db import connections, router
 
 from django_dlock import notify, signals
-from django_dlock.exceptions import DLockError, LockLost, StrategyNotSupported
+from django_dlock.exceptions import LockLost, StrategyNotSupported
 from django_dlock.identity import worker
-from django_dlock.keys import Key, make_key
+from django_dlock.keys import make_key
+from django_dlock.leader.backends import (
+    ADVISORY_TOKEN,
+    _AdvisoryBackend,
+    _Backend,
+    _LeaseBackend,
+    _read_record,
+)
+from django_dlock.leader.isolation import TargetDied, _isolated_main, _stop_process
+from django_dlock.leader.leadership import (
+    STEPPING_DOWN,
+    LeaderRecord,
+    Leadership,
+    _current,
+    _now,
+)
 from django_dlock.strategies.base import Request, close_private_connections
-
-__all__ = ["LeaderElection", "LeaderRecord", "Leadership", "TargetDied", "current_leadership"]
 
 logger = logging.getLogger("django_dlock")
 
@@ -74,442 +47,10 @@ T = TypeVar("T")
 STRATEGIES = ("lease", "advisory")
 #: Kubernetes' jitter factor: renew_deadline must exceed retry * JITTER
 JITTER = 1.2
-#: the reason of a graceful end of a term
-STEPPING_DOWN = "stepping down"
 #: a standby looks again this long after the lease it saw should have ended
 EXPIRY_MARGIN = 0.01
 
-
-def _now() -> float:
-    """Seconds on a clock that keeps counting while the process (or the machine) sleeps.
-
-    ``CLOCK_BOOTTIME`` where it exists (Linux): a leader frozen by SIGSTOP, a
-    debugger or a suspended machine must find its deadline passed when it
-    runs again. It is system-wide, so a child process can compare with it.
-    """
-    return time.clock_gettime(_CLOCK)
-
-
-_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
-
-_current: contextvars.ContextVar[Leadership | None] = contextvars.ContextVar(
-    "django_dlock_leadership", default=None
-)
-
-
-def current_leadership() -> Leadership | None:
-    """The :class:`Leadership` whose target is running in this thread or task.
-
-    Set by :meth:`LeaderElection.run` / :meth:`LeaderElection.arun` (and so by
-    ``manage.py runworker`` for its jobs): a job can read its ``term`` to
-    fence its writes. ``None`` outside a leader's target.
-    """
-    return _current.get()
-
-
-@dataclass(frozen=True)
-class LeaderRecord:
-    """The current leader of an election, as the database records it.
-
-    Attributes:
-        identity: the leader's identity (``"host pid=123"`` by default).
-        term: the leadership's term (its fencing number).
-        since: when this term began (database time, aware datetime).
-        renewed: when the lease was last renewed (``expires - lease``, with
-            the ``lease`` of the election that read the record).
-        expires: when the lease ends unless renewed (database time).
-    """
-
-    identity: str
-    term: int
-    since: dt.datetime | None
-    renewed: dt.datetime
-    expires: dt.datetime
-
-
-class Leadership:
-    """One term of leadership of this process, handed to the target.
-
-    The term is valid until its *renew deadline* (``renew_deadline`` seconds
-    after the start of the last successful renewal), judged on this
-    process's own clock. :attr:`ended` becomes true the moment that deadline
-    passes, even before the election's thread has noticed (after the process
-    was frozen, for example): check it right before each write that only the
-    leader may make, and fence the write with :attr:`term`.
-
-    Attributes:
-        name: the election's name.
-        term: the term number (fencing number): strictly greater than every
-            earlier term of the election.
-        identity: this process's identity.
-    """
-
-    def __init__(self, name: str, term: int, identity: str) -> None:
-        self.name = name
-        self.term = term
-        self.identity = identity
-        self.reason = ""
-        self._ended = threading.Event()
-        self._mutex = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-        #: the renew deadline (:func:`_now` seconds); the election moves it on
-        self._valid_until = math.inf
-
-    @property
-    def ended(self) -> bool:
-        """True once this term is over (or is being handed over): stop working.
-
-        Also true as soon as the renew deadline has passed on this process's
-        clock, before the election has confirmed the loss.
-        """
-        return self._ended.is_set() or _now() >= self._valid_until
-
-    @property
-    def stepping_down(self) -> bool:
-        """True when the term ends gracefully: the lease is kept until the target returns."""
-        return self._ended.is_set() and self.reason == STEPPING_DOWN and not self._expired()
-
-    def _expired(self) -> bool:
-        return _now() >= self._valid_until
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Sleep up to ``timeout`` seconds; return True as soon as the term ends.
-
-        The loop of a leader's work: ``while not leadership.wait(interval): ...``.
-        """
-        end = None if timeout is None else _now() + timeout
-        while True:
-            now = _now()
-            left = self._valid_until - now
-            if left <= 0:
-                return True
-            step = left if end is None else min(left, end - now)
-            if step <= 0:
-                return self.ended
-            if self._ended.wait(step):
-                return True
-
-    def check(self) -> None:
-        """Raise :class:`LockLost` if this term is over.
-
-        :meth:`LeaderElection.run` treats that ``LockLost`` as the normal
-        end of a term and campaigns again.
-        """
-        if self.ended:
-            reason = self.reason or "its renew deadline passed"
-            raise LockLost(f"leadership of {self.name!r} (term {self.term}) ended: {reason}")
-
-    async def wait_ended(self) -> None:
-        """Await the end of this term (asyncio)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            def settle() -> None:
-                if not done.done():
-                    done.set_result(None)
-
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                loop.call_soon_threadsafe(settle)
-
-        self._add_callback(wake)
-        await done
-
-    def _add_callback(self, callback: Callable[[], None]) -> None:
-        with self._mutex:
-            if not self._ended.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def _end(self, reason: str) -> None:
-        with self._mutex:
-            if self._ended.is_set():
-                return
-            self.reason = reason
-            self._ended.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def __repr__(self) -> str:
-        state = f"ended: {self.reason or 'renew deadline passed'}" if self.ended else "active"
-        return f"<Leadership {self.name!r} term={self.term} {state}>"
-
-
-class TargetDied(DLockError):
-    """An isolated target's process ended without returning (killed, crashed)."""
-
-
-def _stop_process(process: Any, grace: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds."""
-    process.terminate()
-    process.join(grace)
-    if process.is_alive():
-        process.kill()
-        process.join()
-
-
-def _isolated_main(
-    conn: Any,
-    settings_module: str,
-    target: Callable[[Leadership], Any],
-    term: tuple[str, int, str],
-    valid_until: float,
-) -> None:
-    """The child process of :meth:`LeaderElection.run` with ``isolate=True``."""
-    import os
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader handles Ctrl-C
-    if settings_module:
-        os.environ["DJANGO_SETTINGS_MODULE"] = settings_module
-    import django
-
-    django.setup()
-    leadership = Leadership(*term)
-    leadership._valid_until = valid_until
-
-    def listen() -> None:
-        try:
-            while True:
-                kind, value = conn.recv()
-                if kind == "until":
-                    leadership._valid_until = value
-                elif kind == "end":
-                    leadership._end(value)
-        except (EOFError, OSError):
-            # The leader process is gone: nobody renews this term any more.
-            os._exit(70)
-
-    threading.Thread(target=listen, name="django-dlock-isolated-listen", daemon=True).start()
-    _current.set(leadership)
-    try:
-        answer: tuple[str, Any] = ("returned", target(leadership))
-    except BaseException as exc:
-        answer = ("raised", exc)
-    finally:
-        connections.close_all()
-    try:
-        conn.send(answer)
-    except Exception as exc:  # the value or the exception cannot be pickled
-        conn.send(("raised", TargetDied(f"the isolated target's answer cannot be sent: {exc!r}")))
-    conn.close()
-
-
-# -- database access, per strategy ------------------------------------------------
-
-
-class _Backend(Protocol):
-    """What the election asks of the database. Runs in the election's I/O thread."""
-
-    def acquire(self, req: Request, wait: float) -> int | None:
-        """Become the leader: the term if acquired, else ``None``.
-
-        A backend that can wait for the leadership efficiently waits up to
-        ``wait`` seconds; others try once.
-        """
-
-    def renew(self, req: Request) -> bool:
-        """Renew the leadership; ``False`` if it is no longer ours."""
-
-    def release(self, req: Request) -> bool:
-        """Give the leadership up."""
-
-    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        """The current leader and the seconds until its lease ends (<= 0: free)."""
-
-    def close(self) -> None:
-        """End of the I/O thread: drop what it holds."""
-
-
-def _read_record(alias: str, key: Key, lease: float) -> LeaderRecord | None:
-    from django_dlock.models import Lock as LockRow
-
-    found = (
-        LockRow.objects.using(alias)
-        .held()
-        .filter(name=key.name)
-        .exclude(token="")
-        .values_list("owner", "fence", "acquired_at", "expire_at")
-        .first()
-    )
-    if found is None:
-        return None
-    owner, fence, since, expires = found
-    renewed = expires - dt.timedelta(seconds=lease)
-    return LeaderRecord(
-        identity=owner, term=int(fence), since=since, renewed=renewed, expires=expires
-    )
-
-
-class _LeaseBackend:
-    """Leadership is the lease row ``leader:<name>``."""
-
-    def __init__(self) -> None:
-        from django_dlock.strategies.lease import lease
-
-        self.lease = lease
-
-    def acquire(self, req: Request, wait: float) -> int | None:
-        return self.lease.try_acquire(req)
-
-    def renew(self, req: Request) -> bool:
-        return self.lease.extend(req, req.ttl)
-
-    def release(self, req: Request) -> bool:
-        return self.lease.release(req)
-
-    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        left = self.lease.seconds_left(req.alias, req.key)
-        return _read_record(req.alias, req.key, lease), left
-
-    def close(self) -> None:
-        return None
-
-
-#: tokens of advisory candidates start with this: their lease rows can be
-#: taken over by whoever holds the election's advisory lock
-ADVISORY_TOKEN = "adv:"
-
-
-class _SessionWatch:
-    """Stands in the I/O thread's holdings so that the advisory session
-    watcher (:mod:`django_dlock.sessions`) can report the end of the session."""
-
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
-        self.on_lost = on_lost
-
-    def mark_lost(self, reason: str) -> None:
-        self.on_lost(reason)
-
-
-class _AdvisoryBackend:
-    """Leadership is the election's session-level advisory lock (PostgreSQL).
-
-    The lock is the source of truth: it ends with the leader's session, so
-    a killed leader is replaced at once, and standbys wait for it in
-    PostgreSQL's lock queue (no polling). The lease row ``leader:<name>``
-    records the leader and its term for :meth:`LeaderElection.leader` and
-    the admin; whoever holds the advisory lock takes the row over.
-    """
-
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
-        from django_dlock.strategies import get_strategy
-        from django_dlock.strategies.lease import lease
-
-        self.advisory = get_strategy("advisory")
-        self.lease = lease
-        self.on_lost = on_lost
-        self.warned = False
-
-    def acquire(self, req: Request, wait: float) -> int | None:
-        from django_dlock.identity import current_holder
-        from django_dlock.retry import Deadline
-
-        if self.advisory.acquire(req, Deadline(wait), 0.05) is None:
-            return None
-        try:
-            term = self.lease.take_over(req, ADVISORY_TOKEN)
-        except BaseException:
-            self.advisory.release(req)
-            raise
-        if term is None:
-            self.advisory.release(req)
-            logger.error(
-                "django-dlock: %s: the lease row is held by a candidate of the lease "
-                "strategy; every candidate of one election must use the same strategy",
-                req.key.name,
-            )
-            return None
-        key = (req.alias, self.advisory.family, req.key.name)
-        current_holder().holdings[key] = _SessionWatch(self.on_lost)
-        return term
-
-    def renew(self, req: Request) -> bool:
-        return self.advisory.owned(req) and self.lease.extend(req, req.ttl)
-
-    def release(self, req: Request) -> bool:
-        from django_dlock.identity import current_holder
-
-        current_holder().holdings.pop((req.alias, self.advisory.family, req.key.name), None)
-        # The lock first: a standby woken by the row's NOTIFY must find it free.
-        unlocked = self.advisory.release(req)
-        released = self.lease.release(req)
-        return unlocked and released
-
-    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        record = _read_record(req.alias, req.key, lease)
-        if record is None:  # no unexpired lease: is the lock's holder frozen?
-            self._end_frozen_holder(req, lease)
-        return record, 0.0
-
-    def _end_frozen_holder(self, req: Request, lease: float) -> None:
-        """End the session of a holder that neither renews nor lets go.
-
-        A frozen leader (SIGSTOP, a stuck VM) keeps its session, so it keeps
-        the advisory lock, but it stops renewing: its lease row expires and
-        its session stays idle. When both are true on the database clock
-        (the row has expired and the holder's session has run nothing for
-        ``lease`` seconds), the standby ends that session with
-        ``pg_terminate_backend``; the lock is then free. A new leader that
-        has just taken the lock is never mistaken for it: its session has
-        just run the lock statement.
-        """
-        from django_dlock.strategies.advisory import PG_LOCKS_MATCH, pg_locks_ids
-        from django_dlock.strategies.base import fetch_one, lock_connection
-
-        if self.lease.seconds_left(req.alias, req.key) > 0:
-            return
-        connection = lock_connection(req.alias)
-        found = fetch_one(
-            connection,
-            "SELECT pid, EXTRACT(EPOCH FROM clock_timestamp() - state_change) "
-            "FROM pg_stat_activity WHERE pid = (SELECT pid FROM pg_locks WHERE "
-            + PG_LOCKS_MATCH
-            + " LIMIT 1)",
-            list(pg_locks_ids(req.key)),
-        )
-        if found is not None and found[1] is None:
-            self._warn_once(
-                "django-dlock: %s: the lease has expired but the advisory lock is held by a "
-                "session whose activity this candidate cannot see (backend %s): connect as "
-                "the same role, or grant pg_read_all_stats and pg_signal_backend, so that a "
-                "frozen leader can be replaced",
-                req.key.name,
-                found[0],
-            )
-            return
-        if found is None or float(found[1]) <= lease:
-            return  # nobody holds it, or a holder that ran a statement within the lease
-        pid, idle = int(found[0]), float(found[1])
-        try:
-            fetch_one(connection, "SELECT pg_terminate_backend(%s)", [pid])
-        except DatabaseError as exc:
-            self._warn_once(
-                "django-dlock: %s: the leader's session (backend %d) has been idle for "
-                "%.1f s and its lease has expired, but this candidate may not end it "
-                "(pg_terminate_backend needs the same role or pg_signal_backend): %s",
-                req.key.name,
-                pid,
-                idle,
-                exc,
-            )
-            return
-        logger.warning(
-            "django-dlock: %s: ended the session of a frozen leader (backend %d, idle for "
-            "%.1f s, lease expired)",
-            req.key.name,
-            pid,
-            idle,
-        )
-
-    def _warn_once(self, message: str, *args: Any) -> None:
-        if not self.warned:
-            self.warned = True
-            logger.error(message, *args)
-
-    def close(self) -> None:
-        return None
+__all__ = ["LeaderElection", "validate_timing"]
 
 
 class _IOThread:
