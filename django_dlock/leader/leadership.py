@@ -103,7 +103,7 @@ class Leadership:
         Also true as soon as the renew deadline has passed on this process's
         clock, before the election has confirmed the loss.
         """
-        return self._ended.is_set() or _now() >= self._valid_until
+        return self._ended.is_set() or self._expired()
 
     @property
     def stepping_down(self) -> bool:
@@ -123,7 +123,9 @@ class Leadership:
             now = _now()
             left = self._valid_until - now
             if left <= 0:
-                return True
+                if self._expired():
+                    return True
+                continue  # the deadline has just moved on
             step = left if end is None else min(left, end - now)
             if step <= 0:
                 return self.ended
