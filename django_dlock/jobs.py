@@ -217,12 +217,12 @@ def run_jobs(
         if wait > 0:
             leadership.wait(wait)
             continue
+        close_old_connections()
         if leadership.ended:  # checked again right before the start
             break
         job = jobs[index]
         started = time.monotonic()
         error: BaseException | None = None
-        close_old_connections()
         try:
             job.func()
         except Exception as exc:

@@ -98,7 +98,12 @@ def record_db() -> None:
     except Exception:
         _append(os.environ["DLOCK_TEST_RUNS"], {"pid": os.getpid(), "ok": False})
         raise
-    _append(os.environ["DLOCK_TEST_RUNS"], {"pid": os.getpid(), "ok": True, "now": now})
+    from django_dlock.leader import current_leadership
+
+    leadership = current_leadership()
+    term = leadership.term if leadership else None
+    record = {"pid": os.getpid(), "ok": True, "now": now, "term": term}
+    _append(os.environ["DLOCK_TEST_RUNS"], record)
 
 
 def hold_gil() -> None:

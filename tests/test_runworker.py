@@ -640,6 +640,7 @@ def test_an_isolated_job_that_holds_the_gil_cannot_starve_the_renewals(tmp_path)
     try:
         wait_until(lambda: len(read_runs(runs)) >= 3, 120)
         assert len(leaders(workers)) == 1
+        assert all(w.proc.poll() is None for w in workers)
     finally:
         for worker in workers:
             worker.kill()
@@ -648,7 +649,9 @@ def test_an_isolated_job_that_holds_the_gil_cannot_starve_the_renewals(tmp_path)
     assert all(r["end"] - r["start"] > LEASE for r in found), found
     assert len({(r["pid"], r["term"]) for r in found}) == 1, found
     assert all(r["ok_end"] for r in found)
-    assert not any("lost leadership" in line for w in workers for line in w.lines())
+    assert not any(
+        line.startswith(("lost leadership", "stepped down")) for w in workers for line in w.lines()
+    )
 
 
 @db
@@ -717,9 +720,13 @@ def test_jobs_work_again_after_a_postgresql_restart(strategy, tmp_path):
         workers = [Worker(*args, runs=runs, env=env) for _ in range(2)]
         try:
             wait_until(lambda: len(read_runs(runs)) >= 3, 60)
+            before = time.monotonic()
             cluster.restart()
+            restarted = time.monotonic()
             back = len(read_runs(runs))
             # the jobs succeed again soon after the server is back (bounded wait)
+            wait_until(lambda: sum(r["ok"] for r in read_runs(runs)[back:]) >= 1, 20)
+            first_run = time.monotonic() - restarted
             wait_until(lambda: sum(r["ok"] for r in read_runs(runs)[back:]) >= 5, 20)
             wait_until(lambda: len(leaders(workers)) == 1, 20)
             assert all(w.proc.poll() is None for w in workers)
@@ -730,7 +737,15 @@ def test_jobs_work_again_after_a_postgresql_restart(strategy, tmp_path):
         first_ok = next(i for i, r in enumerate(after) if r["ok"])
         # the server was back before restart() returned: at most the run that
         # held a connection of the old server fails
-        print(f"{strategy}: runs after the restart {[r['ok'] for r in after][:8]}")
+        ok = [r for r in read_runs(runs) if r["ok"]]
+        check_terms([{**r, "start": r["now"], "end": r["now"]} for r in ok])
+        changes = [w.first("became leader", before) for w in workers]
+        print(
+            f"{strategy}: restart took {restarted - before:.2f} s, first job run "
+            f"{first_run:.2f} s later, new term after "
+            f"{[round(t - before, 2) for t in changes if t is not None]} s, "
+            f"runs after the restart {[r['ok'] for r in after][:8]}"
+        )
         assert first_ok <= 1 and all(r["ok"] for r in after[first_ok:]), after
     finally:
         cluster.destroy()
@@ -771,3 +786,25 @@ def test_an_advisory_standby_that_may_not_end_the_frozen_leaders_session_waits(t
         with connection.cursor() as cur:
             cur.execute(f'DROP OWNED BY "{role}"')
             cur.execute(f'DROP ROLE "{role}"')
+
+
+@db
+def test_an_isolated_worker_stops_gracefully(tmp_path):
+    runs = str(tmp_path / "runs.jsonl")
+    worker = Worker(
+        "--job", "tests.jobs.record_fenced", "--interval", "0.5", "--election", "isolated-stop",
+        "--isolate", *FAST,
+        runs=runs,
+        env={"DLOCK_TEST_JOB_SECONDS": "1.0"},
+    )  # fmt: skip
+    try:
+        wait_until(lambda: len(read_runs(runs)) >= 1, 60)
+        time.sleep(0.3)  # inside the next run
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0, worker.stderr()
+    finally:
+        worker.kill()
+    found = read_runs(runs)
+    assert len(found) >= 2  # the run in progress finished
+    assert found[-1]["ok_start"] and not found[-1]["ok_end"]  # and saw its term end
+    assert worker.lines()[-1] == "stepped down"
