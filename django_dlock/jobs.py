@@ -30,9 +30,19 @@ from typing import Any
 
 from django.utils.module_loading import import_string
 
+from django_dlock.exceptions import DLockError
 from django_dlock.leader import Leadership
 
-__all__ = ["Job", "JobError", "cleanup", "load_jobs", "run_jobs", "setting_problems"]
+__all__ = [
+    "Job",
+    "JobError",
+    "JobsUnreachable",
+    "cleanup",
+    "load_jobs",
+    "run_isolated_jobs",
+    "run_jobs",
+    "setting_problems",
+]
 
 logger = logging.getLogger("django_dlock")
 
@@ -156,26 +166,60 @@ def setting_problems(value: object) -> list[tuple[str, str]]:
     return found
 
 
+class JobsUnreachable(DLockError):
+    """The leader's jobs could not reach the database for too long (``step_down=True``)."""
+
+
+def _unreachable(error: BaseException | None) -> bool:
+    """Whether a job failed because its database connection is unusable."""
+    from django.db import InterfaceError, OperationalError
+
+    return isinstance(error, (OperationalError, InterfaceError))
+
+
 def run_jobs(
     leadership: Leadership,
     jobs: list[Job],
     report: Callable[[Job, float, BaseException | None], None] | None = None,
+    *,
+    unreachable_after: float | None = None,
+    step_down: bool = False,
+    alarm: Callable[[str], None] | None = None,
 ) -> None:
     """Run ``jobs`` on their intervals until ``leadership`` ends.
 
+    Right before each run the term is checked on this process's clock
+    (:attr:`Leadership.ended`, the deadline ``is_leader`` uses): a leader
+    that was frozen past its renew deadline starts nothing. Database
+    connections that are broken or older than ``CONN_MAX_AGE`` are closed
+    before and after each run (what Django does around a request), so a job
+    after a lost connection or a database restart gets a new one.
+
     A job that raises is logged with its traceback (and passed to
     ``report``); the loop goes on. ``report(job, seconds, error)`` is called
-    after every run.
+    after every run. When jobs have failed for lack of a database
+    connection (``OperationalError`` / ``InterfaceError``) for longer than
+    ``unreachable_after`` seconds, an error is logged; with ``step_down``,
+    :class:`JobsUnreachable` is raised (``LeaderElection.run`` then steps
+    down and raises it). ``alarm(message)`` is called with the same news
+    (the loss, and the recovery).
     """
+    from django.db import close_old_connections
+
     if not jobs:
         raise JobError("no jobs to run")
     due = [time.monotonic()] * len(jobs)
+    failing_since: float | None = None
+    warned = False
     while not leadership.ended:
         index = min(range(len(jobs)), key=due.__getitem__)
         wait = due[index] - time.monotonic()
         if wait > 0:
             leadership.wait(wait)
             continue
+        close_old_connections()
+        if leadership.ended:  # checked again right before the start
+            break
         job = jobs[index]
         started = time.monotonic()
         error: BaseException | None = None
@@ -184,9 +228,83 @@ def run_jobs(
         except Exception as exc:
             error = exc
             logger.exception("django-dlock: job %s raised", job.path)
+        finally:
+            close_old_connections()
         due[index] = started + job.interval
         if report is not None:
             report(job, time.monotonic() - started, error)
+        if not _unreachable(error):
+            if warned:
+                logger.warning(
+                    "django-dlock: the jobs of %r reach the database again", leadership.name
+                )
+                if alarm is not None:
+                    alarm("jobs reach the database again")
+            failing_since, warned = None, False
+            continue
+        if failing_since is None:
+            failing_since = started
+        down = time.monotonic() - failing_since
+        if unreachable_after is not None and down > unreachable_after and not warned:
+            warned = True
+            logger.error(
+                "django-dlock: the leader of %r (term %s) is leading, but its jobs have not "
+                "reached the database for %.1f s: %s",
+                leadership.name,
+                leadership.term,
+                down,
+                error,
+            )
+            if alarm is not None:
+                alarm(f"jobs have not reached the database for {down:.1f} s: {error}")
+            if step_down:
+                raise JobsUnreachable(
+                    f"the jobs of {leadership.name!r} have not reached the database for "
+                    f"{down:.1f} s (last error: {error}); stepping down"
+                )
+
+
+def run_isolated_jobs(
+    specs: list[tuple[str, float]],
+    verbosity: int,
+    unreachable_after: float,
+    step_down: bool,
+    leadership: Leadership,
+) -> None:
+    """The job loop of ``runworker --isolate``, in the child process of a term.
+
+    ``specs`` are ``(dotted path, interval)`` pairs; lines go to this
+    process's stdout and stderr, as ``runworker`` prints them.
+    """
+    import sys
+    import traceback
+
+    loaded = [Job(path, import_job(path), interval) for path, interval in specs]
+
+    def report(job: Job, seconds: float, error: BaseException | None) -> None:
+        if error is not None:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            sys.stderr.write(f"job {job.path} raised after {seconds:.3f} s:\n{text}\n")
+            sys.stderr.flush()
+        elif verbosity >= 2:
+            line = f"ran {job.path} in {seconds:.3f} s"
+            if verbosity >= 3:
+                line = f"{time.strftime('%H:%M:%S')} {line}"
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def alarm(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    run_jobs(
+        leadership,
+        loaded,
+        report,
+        unreachable_after=unreachable_after,
+        step_down=step_down,
+        alarm=alarm,
+    )
 
 
 def cleanup() -> int:

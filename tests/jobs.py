@@ -55,6 +55,92 @@ def record_term() -> None:
     )
 
 
+def _alias() -> str:
+    return os.environ.get("DLOCK_TEST_ALIAS", "default")
+
+
+def record_fenced() -> None:
+    """A job that fences its write by term, as the docs tell jobs to.
+
+    Records its start and end on the database clock, and whether its term
+    was still valid (``not current_leadership().ended``) when it was called
+    and right after each of the two readings: a run whose ``ok_end`` is
+    true held a valid term from its start to its end.
+    """
+    from django_dlock.leader import current_leadership
+
+    leadership = current_leadership()
+    assert leadership is not None
+    ok_call = not leadership.ended
+    start = _db_now(_alias())
+    ok_start = not leadership.ended
+    time.sleep(float(os.environ.get("DLOCK_TEST_JOB_SECONDS", "0.3")))
+    end = _db_now(_alias())
+    ok_end = not leadership.ended
+    _append(
+        os.environ["DLOCK_TEST_RUNS"],
+        {
+            "term": leadership.term,
+            "pid": os.getpid(),
+            "start": start,
+            "end": end,
+            "ok_call": ok_call,
+            "ok_start": ok_start,
+            "ok_end": ok_end,
+        },
+    )
+
+
+def record_db() -> None:
+    """Read the database clock and record it; a failure is recorded too, and raised."""
+    try:
+        now = _db_now(_alias())
+    except Exception:
+        _append(os.environ["DLOCK_TEST_RUNS"], {"pid": os.getpid(), "ok": False})
+        raise
+    from django_dlock.leader import current_leadership
+
+    leadership = current_leadership()
+    term = leadership.term if leadership else None
+    record = {"pid": os.getpid(), "ok": True, "now": now, "term": term}
+    _append(os.environ["DLOCK_TEST_RUNS"], record)
+
+
+def hold_gil() -> None:
+    """Hold the GIL for seconds in C code (a catastrophic regular expression), then record."""
+    import re
+
+    from django_dlock.leader import current_leadership
+
+    leadership = current_leadership()
+    assert leadership is not None
+    start = _db_now(_alias())
+    if "DLOCK_TEST_STARTED" in os.environ:
+        with open(os.environ["DLOCK_TEST_STARTED"], "w") as f:
+            f.write(str(os.getpid()))
+    size = int(os.environ.get("DLOCK_TEST_REGEX_SIZE", "26"))
+    assert re.match(r"(a+)+$", "a" * size + "b") is None
+    end = _db_now(_alias())
+    _append(
+        os.environ["DLOCK_TEST_RUNS"],
+        {
+            "term": leadership.term,
+            "pid": os.getpid(),
+            "start": start,
+            "end": end,
+            "ok_start": True,
+            "ok_end": not leadership.ended,
+        },
+    )
+
+
+def unreachable() -> None:
+    """A job whose database is down: the error Django raises then."""
+    from django.db import OperationalError
+
+    raise OperationalError("could not connect to server: Connection refused")
+
+
 def fail_every_other() -> None:
     """Raise on odd runs (counted in DLOCK_TEST_RUNS): the worker must survive."""
     path = os.environ["DLOCK_TEST_RUNS"]

@@ -501,3 +501,31 @@ def test_arun_steps_down_on_a_signal_and_returns(signum):
     finally:
         proc.kill()
     assert proc.lines()[1:] == ["cancelled", "result None", "leader after None stepped down"]
+
+
+# -- a term ends at its renew deadline, on this process's clock -------------------------------
+
+
+def test_a_term_ends_at_its_renew_deadline_even_before_the_election_notices():
+    from django_dlock.exceptions import LockLost
+    from django_dlock.leader.leadership import _now
+
+    leadership = Leadership("deadline", 7, "me")
+    leadership._valid_until = _now() + 0.3
+    assert not leadership.ended
+    assert leadership.wait(0.01) is False
+    assert leadership.wait(30) is True  # returns at the deadline, not after 30 s
+    assert leadership.ended and not leadership.stepping_down
+    with pytest.raises(LockLost, match="renew deadline passed"):
+        leadership.check()
+
+
+def test_a_renewal_moves_the_deadline_of_the_running_term(alias):
+    made = election(alias, "moving")
+    with made:
+        wait_until(lambda: made.is_leader, 30)
+        seen = made._leadership
+        assert seen is not None
+        first = seen._valid_until
+        wait_until(lambda: seen._valid_until > first, 10)
+        assert made.is_leader and not seen.ended

@@ -8,10 +8,13 @@ stand by and take over when it stops or dies::
 
 SIGTERM / SIGINT: the running job finishes, the worker steps down (a standby
 takes over at once) and exits with status 0. A second signal does not wait.
+``--isolate`` runs the jobs in a child process that cannot starve the
+renewals and is stopped when the term is lost.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import traceback
@@ -22,7 +25,14 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_dlock import signals
 from django_dlock.conf import conf
 from django_dlock.exceptions import DLockError
-from django_dlock.jobs import DEFAULT_INTERVAL, Job, JobError, load_jobs, run_jobs
+from django_dlock.jobs import (
+    DEFAULT_INTERVAL,
+    Job,
+    JobError,
+    load_jobs,
+    run_isolated_jobs,
+    run_jobs,
+)
 from django_dlock.leader import LeaderElection, Leadership
 
 
@@ -69,7 +79,27 @@ class Command(BaseCommand):
         parser.add_argument(
             "--strategy", default="lease", help='"lease" (default) or "advisory" (PostgreSQL)'
         )
-        parser.add_argument("--database", default=None, help="database alias of the election")
+        parser.add_argument(
+            "--using",
+            "--database",
+            dest="using",
+            default=None,
+            metavar="ALIAS",
+            help="database alias of the election (--database is the same option)",
+        )
+        parser.add_argument(
+            "--isolate",
+            action="store_true",
+            help="run the jobs in a child process that is stopped (SIGTERM, then SIGKILL) "
+            "when the term is lost: a job that holds the GIL cannot starve the renewals",
+        )
+        parser.add_argument(
+            "--step-down-when-unreachable",
+            action="store_true",
+            help="when the jobs have not reached the database for longer than the renew "
+            "deadline, step down and exit with status 1 (default: keep leading and log "
+            "an error)",
+        )
         parser.add_argument(
             "--identity", default=None, help='how this worker is named (default "<host> pid=<pid>")'
         )
@@ -90,7 +120,7 @@ class Command(BaseCommand):
                 renew_deadline=options["renew_deadline"],
                 retry=options["retry"],
                 strategy=options["strategy"],
-                using=options["database"],
+                using=options["using"],
                 identity=options["identity"],
             )
         except (ValueError, DLockError) as exc:
@@ -104,9 +134,20 @@ class Command(BaseCommand):
             f"worker {election.identity!r} campaigning in election {election.name!r} "
             f"({election.strategy}, lease {election.lease:g} s): {names}"
         )
+        self.step_down = bool(options["step_down_when_unreachable"])
         signals.leader_changed.connect(self._leader_changed, weak=False)
         try:
-            election.run(self._lead)
+            if options["isolate"]:
+                target = functools.partial(
+                    run_isolated_jobs,
+                    [(job.path, job.interval) for job in jobs],
+                    self.verbosity,
+                    election.renew_deadline,
+                    self.step_down,
+                )
+                election.run(target, isolate=True)
+            else:
+                election.run(self._lead)
         except DLockError as exc:
             raise CommandError(str(exc)) from None
         finally:
@@ -115,7 +156,19 @@ class Command(BaseCommand):
     # -- the leader's work -------------------------------------------------------
 
     def _lead(self, leadership: Leadership) -> None:
-        run_jobs(leadership, self.jobs, self._report)
+        run_jobs(
+            leadership,
+            self.jobs,
+            self._report,
+            unreachable_after=self.election.renew_deadline,
+            step_down=self.step_down,
+            alarm=self._alarm,
+        )
+
+    def _alarm(self, line: str) -> None:
+        with self._mutex:
+            self.stderr.write(line)
+            self.stderr.flush()
 
     def _report(self, job: Job, seconds: float, error: BaseException | None) -> None:
         if error is not None:

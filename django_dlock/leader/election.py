@@ -1,48 +1,10 @@
-"""``LeaderElection``: exactly one process of many acts as the leader.
-
-Kubernetes leader-election semantics on the site's own database::
-
-    election = dlock.LeaderElection("scheduler", lease=15, renew_deadline=10, retry=2)
-
-    def lead(leadership):                      # called on this process's terms
-        while not leadership.wait(60):         # True once leadership ends
-            run_the_schedule(fence=leadership.term)
-
-    election.run(lead)                         # blocks; SIGTERM/SIGINT step down
-
-* Every candidate tries to take the election's lease (a row of the ``Lock``
-  table named ``leader:<name>``) every ``retry`` seconds (sooner when the
-  lease is about to end, at once on PostgreSQL when the leader releases it:
-  ``LISTEN/NOTIFY``). The winner leads for ``lease`` seconds and renews every
-  ``retry`` seconds.
-* **term**: each leadership gets the fencing number of its acquisition,
-  strictly greater than every earlier term of the election.
-* **renew_deadline**: a leader that has not renewed successfully for
-  ``renew_deadline`` seconds (counted from the *start* of its last
-  successful renewal, so before the database could have ended the lease)
-  stops leading at once, even while a renewal is still hanging. The lease
-  then still has ``lease - renew_deadline`` seconds to run: that is the
-  margin the leader's work has to notice and stop before anyone else can
-  lead.
-* **graceful stop** (:meth:`LeaderElection.stop`, SIGTERM/SIGINT in
-  :meth:`LeaderElection.run`, the end of ``with``): the running target is
-  told to finish, then the lease is released at once, so a standby takes
-  over within about one ``retry`` interval (at once on PostgreSQL).
-* ``strategy="advisory"`` (PostgreSQL) holds a session-level advisory lock
-  as the source of truth, so a killed leader is replaced as soon as its
-  connection ends; the lease row still records the leader and its term.
-
-Identity is per process (the worker: host and pid, or ``identity=``), never
-per thread: any thread of the process sees the same ``is_leader``.
-"""
+"""``LeaderElection``: the election's state machine, its threads and ``run``."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
-import datetime as dt
 import logging
 import math
 import queue
@@ -50,10 +12,8 @@ import random
 import secrets
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.db import connections, router
@@ -61,10 +21,23 @@ from django.db import connections, router
 from django_dlock import notify, signals
 from django_dlock.exceptions import LockLost, StrategyNotSupported
 from django_dlock.identity import worker
-from django_dlock.keys import Key, make_key
-from django_dlock.strategies.base import Request, close_private_connections, require_postgresql
-
-__all__ = ["LeaderElection", "LeaderRecord", "Leadership", "current_leadership"]
+from django_dlock.keys import make_key
+from django_dlock.leader.backends import (
+    ADVISORY_TOKEN,
+    _AdvisoryBackend,
+    _Backend,
+    _LeaseBackend,
+    _read_record,
+)
+from django_dlock.leader.isolation import TargetDied, _isolated_main, _stop_process
+from django_dlock.leader.leadership import (
+    STEPPING_DOWN,
+    LeaderRecord,
+    Leadership,
+    _current,
+    _now,
+)
+from django_dlock.strategies.base import Request, close_private_connections
 
 logger = logging.getLogger("django_dlock")
 
@@ -77,264 +50,7 @@ JITTER = 1.2
 #: a standby looks again this long after the lease it saw should have ended
 EXPIRY_MARGIN = 0.01
 
-_current: contextvars.ContextVar[Leadership | None] = contextvars.ContextVar(
-    "django_dlock_leadership", default=None
-)
-
-
-def current_leadership() -> Leadership | None:
-    """The :class:`Leadership` whose target is running in this thread or task.
-
-    Set by :meth:`LeaderElection.run` / :meth:`LeaderElection.arun` (and so by
-    ``manage.py runworker`` for its jobs): a job can read its ``term`` to
-    fence its writes. ``None`` outside a leader's target.
-    """
-    return _current.get()
-
-
-@dataclass(frozen=True)
-class LeaderRecord:
-    """The current leader of an election, as the database records it.
-
-    Attributes:
-        identity: the leader's identity (``"host pid=123"`` by default).
-        term: the leadership's term (its fencing number).
-        since: when this term began (database time, aware datetime).
-        renewed: when the lease was last renewed (``expires - lease``, with
-            the ``lease`` of the election that read the record).
-        expires: when the lease ends unless renewed (database time).
-    """
-
-    identity: str
-    term: int
-    since: dt.datetime | None
-    renewed: dt.datetime
-    expires: dt.datetime
-
-
-class Leadership:
-    """One term of leadership of this process, handed to the target.
-
-    Attributes:
-        name: the election's name.
-        term: the term number (fencing number): strictly greater than every
-            earlier term of the election.
-        identity: this process's identity.
-    """
-
-    def __init__(self, name: str, term: int, identity: str) -> None:
-        self.name = name
-        self.term = term
-        self.identity = identity
-        self.reason = ""
-        self._ended = threading.Event()
-        self._mutex = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-
-    @property
-    def ended(self) -> bool:
-        """True once this term is over (or is being handed over): stop working."""
-        return self._ended.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Sleep up to ``timeout`` seconds; return True as soon as the term ends.
-
-        The loop of a leader's work: ``while not leadership.wait(interval): ...``.
-        """
-        return self._ended.wait(timeout)
-
-    def check(self) -> None:
-        """Raise :class:`LockLost` if this term is over.
-
-        :meth:`LeaderElection.run` treats that ``LockLost`` as the normal
-        end of a term and campaigns again.
-        """
-        if self.ended:
-            raise LockLost(f"leadership of {self.name!r} (term {self.term}) ended: {self.reason}")
-
-    async def wait_ended(self) -> None:
-        """Await the end of this term (asyncio)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            def settle() -> None:
-                if not done.done():
-                    done.set_result(None)
-
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                loop.call_soon_threadsafe(settle)
-
-        self._add_callback(wake)
-        await done
-
-    def _add_callback(self, callback: Callable[[], None]) -> None:
-        with self._mutex:
-            if not self._ended.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def _end(self, reason: str) -> None:
-        with self._mutex:
-            if self._ended.is_set():
-                return
-            self.reason = reason
-            self._ended.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def __repr__(self) -> str:
-        state = f"ended: {self.reason}" if self.ended else "active"
-        return f"<Leadership {self.name!r} term={self.term} {state}>"
-
-
-# -- database access, per strategy ------------------------------------------------
-
-
-class _Backend(Protocol):
-    """What the election asks of the database. Runs in the election's I/O thread."""
-
-    def acquire(self, req: Request, wait: float) -> int | None:
-        """Become the leader: the term if acquired, else ``None``.
-
-        A backend that can wait for the leadership efficiently waits up to
-        ``wait`` seconds; others try once.
-        """
-
-    def renew(self, req: Request) -> bool:
-        """Renew the leadership; ``False`` if it is no longer ours."""
-
-    def release(self, req: Request) -> bool:
-        """Give the leadership up."""
-
-    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        """The current leader and the seconds until its lease ends (<= 0: free)."""
-
-    def close(self) -> None:
-        """End of the I/O thread: drop what it holds."""
-
-
-def _read_record(alias: str, key: Key, lease: float) -> LeaderRecord | None:
-    from django_dlock.models import Lock as LockRow
-
-    found = (
-        LockRow.objects.using(alias)
-        .held()
-        .filter(name=key.name)
-        .exclude(token="")
-        .values_list("owner", "fence", "acquired_at", "expire_at")
-        .first()
-    )
-    if found is None:
-        return None
-    owner, fence, since, expires = found
-    renewed = expires - dt.timedelta(seconds=lease)
-    return LeaderRecord(
-        identity=owner, term=int(fence), since=since, renewed=renewed, expires=expires
-    )
-
-
-class _LeaseBackend:
-    """Leadership is the lease row ``leader:<name>``."""
-
-    def __init__(self) -> None:
-        from django_dlock.strategies.lease import lease
-
-        self.lease = lease
-
-    def acquire(self, req: Request, wait: float) -> int | None:
-        return self.lease.try_acquire(req)
-
-    def renew(self, req: Request) -> bool:
-        return self.lease.extend(req, req.ttl)
-
-    def release(self, req: Request) -> bool:
-        return self.lease.release(req)
-
-    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        left = self.lease.seconds_left(req.alias, req.key)
-        return _read_record(req.alias, req.key, lease), left
-
-    def close(self) -> None:
-        return None
-
-
-#: tokens of advisory candidates start with this: their lease rows can be
-#: taken over by whoever holds the election's advisory lock
-ADVISORY_TOKEN = "adv:"
-
-
-class _SessionWatch:
-    """Stands in the I/O thread's holdings so that the advisory session
-    watcher (:mod:`django_dlock.sessions`) can report the end of the session."""
-
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
-        self.on_lost = on_lost
-
-    def mark_lost(self, reason: str) -> None:
-        self.on_lost(reason)
-
-
-class _AdvisoryBackend:
-    """Leadership is the election's session-level advisory lock (PostgreSQL).
-
-    The lock is the source of truth: it ends with the leader's session, so
-    a killed leader is replaced at once, and standbys wait for it in
-    PostgreSQL's lock queue (no polling). The lease row ``leader:<name>``
-    records the leader and its term for :meth:`LeaderElection.leader` and
-    the admin; whoever holds the advisory lock takes the row over.
-    """
-
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
-        from django_dlock.strategies import get_strategy
-        from django_dlock.strategies.lease import lease
-
-        self.advisory = get_strategy("advisory")
-        self.lease = lease
-        self.on_lost = on_lost
-
-    def acquire(self, req: Request, wait: float) -> int | None:
-        from django_dlock.identity import current_holder
-        from django_dlock.retry import Deadline
-
-        if self.advisory.acquire(req, Deadline(wait), 0.05) is None:
-            return None
-        try:
-            term = self.lease.take_over(req, ADVISORY_TOKEN)
-        except BaseException:
-            self.advisory.release(req)
-            raise
-        if term is None:
-            self.advisory.release(req)
-            logger.error(
-                "django-dlock: %s: the lease row is held by a candidate of the lease "
-                "strategy; every candidate of one election must use the same strategy",
-                req.key.name,
-            )
-            return None
-        key = (req.alias, self.advisory.family, req.key.name)
-        current_holder().holdings[key] = _SessionWatch(self.on_lost)
-        return term
-
-    def renew(self, req: Request) -> bool:
-        return self.advisory.owned(req) and self.lease.extend(req, req.ttl)
-
-    def release(self, req: Request) -> bool:
-        from django_dlock.identity import current_holder
-
-        current_holder().holdings.pop((req.alias, self.advisory.family, req.key.name), None)
-        # The lock first: a standby woken by the row's NOTIFY must find it free.
-        unlocked = self.advisory.release(req)
-        released = self.lease.release(req)
-        return unlocked and released
-
-    def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
-        return _read_record(req.alias, req.key, lease), 0.0
-
-    def close(self) -> None:
-        return None
+__all__ = ["LeaderElection", "validate_timing"]
 
 
 class _IOThread:
@@ -514,8 +230,12 @@ class LeaderElection:
         self.on_started_leading = on_started_leading
         self.on_stopped_leading = on_stopped_leading
         self.on_new_leader = on_new_leader
-        if strategy == "advisory":
-            require_postgresql(strategy, connections[self.alias])
+        if strategy == "advisory" and connections[self.alias].vendor != "postgresql":
+            raise StrategyNotSupported(
+                f"the advisory election needs PostgreSQL; database {self.alias!r} is "
+                f"{connections[self.alias].vendor}: use the lease strategy "
+                '(strategy="lease", runworker --strategy lease), which works on every database'
+            )
         self._backend: _Backend
         if strategy == "advisory":
             self._backend = _AdvisoryBackend(self._session_lost)
@@ -562,7 +282,7 @@ class LeaderElection:
         """Whether this process leads now (no query: judged by the renew deadline)."""
         with self._mutex:
             held = self._leadership
-            return held is not None and not held.ended and time.monotonic() < self._valid_until
+            return held is not None and not held.ended and _now() < self._valid_until
 
     @property
     def term(self) -> int | None:
@@ -659,7 +379,13 @@ class LeaderElection:
 
     # -- run a target while leading --------------------------------------------------
 
-    def run(self, target: Callable[[Leadership], T], *, handle_signals: bool = True) -> T | None:
+    def run(
+        self,
+        target: Callable[[Leadership], T],
+        *,
+        handle_signals: bool = True,
+        isolate: bool = False,
+    ) -> T | None:
         """Campaign, and call ``target(leadership)`` each time this process leads.
 
         Blocks until :meth:`stop` is called (or SIGTERM/SIGINT arrives, when
@@ -673,6 +399,15 @@ class LeaderElection:
         When the target returns while still leading, the process steps down
         and ``run`` returns its value; any other exception steps down and
         propagates. Returns ``None`` when stopped.
+
+        ``isolate=True`` runs each term's target in a child process (started
+        with ``multiprocessing``'s ``spawn`` method, which sets Django up
+        again from ``DJANGO_SETTINGS_MODULE``): a target that holds the GIL,
+        or blocks in C code, cannot starve the renewals of this process.
+        When the term is lost the child is stopped (SIGTERM, then SIGKILL);
+        on a graceful stop its ``Leadership`` ends and it may finish. The
+        target must be picklable (a module-level function, or a
+        ``functools.partial`` of one), and so must what it returns or raises.
         """
         restore = self._handle_signals() if handle_signals else None
         self.start()
@@ -685,7 +420,10 @@ class LeaderElection:
                 self._target_thread = threading.current_thread()
                 context = _current.set(leadership)
                 try:
-                    result = target(leadership)
+                    if isolate:
+                        result = self._run_isolated(target, leadership)
+                    else:
+                        result = target(leadership)
                 except LockLost:
                     if leadership.ended:
                         continue
@@ -700,6 +438,78 @@ class LeaderElection:
             if restore is not None:
                 restore()
             self.stop()
+
+    def _run_isolated(self, target: Callable[[Leadership], T], leadership: Leadership) -> T:
+        """Run ``target`` for ``leadership`` in a child process (see :meth:`run`)."""
+        import multiprocessing
+        import multiprocessing.connection
+        import os
+
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        child = context.Process(
+            target=_isolated_main,
+            args=(
+                theirs,
+                os.environ.get("DJANGO_SETTINGS_MODULE", ""),
+                target,
+                (leadership.name, leadership.term, leadership.identity),
+                leadership._valid_until,
+            ),
+            name=f"django-dlock-isolated {self.key.name}",
+            daemon=True,
+        )
+        child.start()
+        theirs.close()
+        sent_until = leadership._valid_until
+        told_to_finish = False
+        grace = min(1.0, (self.lease - self.renew_deadline) / 2)
+        try:
+            while True:
+                ready = multiprocessing.connection.wait([ours, child.sentinel], timeout=0.05)
+                if ours in ready:
+                    try:
+                        kind, value = ours.recv()
+                    except (EOFError, OSError):
+                        kind, value = "died", None
+                    if kind == "returned":
+                        result: T = value
+                        return result
+                    if kind == "raised":
+                        assert isinstance(value, BaseException)
+                        raise value
+                elif child.sentinel in ready and not ours.poll():
+                    kind = "died"
+                else:
+                    kind = ""
+                if kind == "died":
+                    child.join(grace)
+                    if leadership.ended:
+                        leadership.check()
+                    raise TargetDied(
+                        f"the isolated target of {self.key.name!r} (pid {child.pid}) ended "
+                        f"without an answer (exit code {child.exitcode})"
+                    )
+                if leadership.ended and not leadership.stepping_down:
+                    logger.warning(
+                        "django-dlock: %s: term %s is over; stopping its isolated target (pid %s)",
+                        self.key.name,
+                        leadership.term,
+                        child.pid,
+                    )
+                    _stop_process(child, grace)
+                    leadership.check()
+                with contextlib.suppress(OSError):
+                    if leadership._valid_until != sent_until:
+                        sent_until = leadership._valid_until
+                        ours.send(("until", sent_until))
+                    if leadership.stepping_down and not told_to_finish:
+                        told_to_finish = True
+                        ours.send(("end", leadership.reason))
+        finally:
+            ours.close()
+            if child.is_alive():
+                _stop_process(child, grace)
 
     async def arun(
         self, target: Callable[[Leadership], Awaitable[T]], *, handle_signals: bool = True
@@ -910,26 +720,26 @@ class LeaderElection:
                     continue
                 pause = self._campaign()
                 if self._leadership is not None:
-                    next_renew = time.monotonic() + self.retry
+                    next_renew = _now() + self.retry
                 self._pause(pause)
                 continue
             if stop and (force or not busy):
                 self._step_down()
                 return
             if stop:
-                held._end("stepping down")  # tell the target; keep renewing meanwhile
+                held._end(STEPPING_DOWN)  # tell the target; keep renewing meanwhile
             if self._lost_session is not None:
                 self._lose(f"the advisory lock's session ended: {self._lost_session}")
                 continue
-            if time.monotonic() >= self._valid_until:
+            if _now() >= self._valid_until:
                 self._lose("the renew deadline passed before a renewal could start")
                 continue
-            wait = next_renew - time.monotonic()
+            wait = next_renew - _now()
             if wait > 0:
                 self._pause(wait)
                 continue
             pause = self._renew()
-            next_renew = time.monotonic() + pause
+            next_renew = _now() + pause
 
     def _pause(self, seconds: float) -> None:
         if seconds > 0:
@@ -947,7 +757,7 @@ class LeaderElection:
         mistaken for the next term.
         """
         assert self._io is not None and self._req is not None
-        submitted = time.monotonic()
+        submitted = _now()
         future = self._io.submit(func, *args)
         try:
             return True, future.result(timeout=max(0.0, until - submitted))
@@ -958,7 +768,7 @@ class LeaderElection:
             label = f"django-dlock-elect {self.key.name}"
             self._io = _IOThread(self.alias, label, self._backend)
             self._req = self._new_request()
-            waited = time.monotonic() - submitted
+            waited = _now() - submitted
             return False, TimeoutError(f"the database did not answer within {waited:.3g} s")
         except Exception as exc:
             return False, exc
@@ -966,7 +776,7 @@ class LeaderElection:
     def _campaign(self) -> float:
         """One attempt to lead; returns how long to wait before the next step."""
         assert self._req is not None
-        started = time.monotonic()
+        started = _now()
         wait = self._jittered()
         self._lost_session = None
         ok, result = self._call(
@@ -977,16 +787,16 @@ class LeaderElection:
             return self._jittered()
         if result is not None:
             assert isinstance(result, int)
-            if time.monotonic() >= started + self.renew_deadline:
+            if _now() >= started + self.renew_deadline:
                 self._call(self._backend.release, self._req, until=started + self.lease)
                 return self._jittered()
             self._begin_term(result, started)
             return 0.0
         ok, seen = self._call(
-            self._backend.observe, self._req, self.lease, until=time.monotonic() + self.retry
+            self._backend.observe, self._req, self.lease, until=_now() + self.retry
         )
         # A backend that waited for the leadership already spent the pause.
-        pause = max(0.0, wait - (time.monotonic() - started))
+        pause = max(0.0, wait - (_now() - started))
         if ok:
             assert isinstance(seen, tuple)
             record, left = seen
@@ -1001,12 +811,23 @@ class LeaderElection:
     def _renew(self) -> float:
         """One renewal; returns how long to wait before the next one."""
         assert self._req is not None
-        started = time.monotonic()
+        started = _now()
         deadline = self._valid_until
         ok, result = self._call(self._backend.renew, self._req, until=deadline)
         if ok and result is True:
             with self._mutex:
-                self._valid_until = started + self.renew_deadline
+                held = self._leadership
+                # A term whose deadline has passed stays over, even if a
+                # renewal started in time answers late: its target may have
+                # seen it end already.
+                expired = _now() >= deadline
+                if not expired:
+                    self._valid_until = started + self.renew_deadline
+                    if held is not None:
+                        held._valid_until = self._valid_until
+            if expired:
+                self._lose("the renew deadline passed while a renewal was answering")
+                return 0.0
             return self.retry
         if ok:
             self._lose(
@@ -1016,13 +837,13 @@ class LeaderElection:
                 else "the lease was taken over or force-released"
             )
             return 0.0
-        if time.monotonic() >= deadline or isinstance(result, TimeoutError):
+        if _now() >= deadline or isinstance(result, TimeoutError):
             self._lose(
                 f"could not renew within renew_deadline ({self.renew_deadline:g} s): {result}"
             )
             return 0.0
         logger.warning("django-dlock: %s: renewal failed, retrying: %s", self.key.name, result)
-        return min(self.retry, max(0.05, (deadline - time.monotonic()) / 3))
+        return min(self.retry, max(0.05, (deadline - _now()) / 3))
 
     def _observe(self, identity: str, term: int) -> None:
         if self._observed == (identity, term):
@@ -1042,6 +863,7 @@ class LeaderElection:
         with self._changed:
             self._leadership = leadership
             self._valid_until = started + self.renew_deadline
+            leadership._valid_until = self._valid_until
             self._changed.notify_all()
         logger.info("django-dlock: %s: became leader (term %s)", self.key.name, term)
         self._observe(self.identity, term)
@@ -1063,7 +885,7 @@ class LeaderElection:
 
     def _step_down(self) -> None:
         assert self._req is not None
-        started = time.monotonic()
+        started = _now()
         ok, result = self._call(self._backend.release, self._req, until=started + self.retry)
         if not ok:
             logger.warning("django-dlock: %s: release failed: %s", self.key.name, result)

@@ -1,0 +1,109 @@
+"""``LeaderElection.run(target, isolate=True)``: the target in a child process."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+
+from django_dlock.exceptions import DLockError
+from django_dlock.leader.leadership import Leadership, _current, _now
+
+__all__ = ["TargetDied"]
+
+
+class TargetDied(DLockError):
+    """An isolated target's process ended without returning (killed, crashed)."""
+
+
+def _stop_process(process: Any, grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds."""
+    process.terminate()
+    process.join(grace)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+class _ChildLeadership(Leadership):
+    """The term as the isolated child sees it: the leader sends each new deadline.
+
+    A thread reads the leader's messages; but a target that holds the GIL
+    keeps that thread from running, so before a deadline is declared passed,
+    the messages that are waiting are read first: a term the leader has
+    renewed meanwhile is not mistaken for an ended one.
+    """
+
+    def __init__(self, conn: Any, name: str, term: int, identity: str) -> None:
+        super().__init__(name, term, identity)
+        self._conn = conn
+        self._reading = threading.Lock()
+
+    def _expired(self) -> bool:
+        if _now() < self._valid_until:
+            return False
+        self._drain()
+        return _now() >= self._valid_until
+
+    def _drain(self) -> bool:
+        """Read the waiting messages; False once the leader process is gone."""
+        with self._reading:
+            try:
+                while self._conn.poll():
+                    kind, value = self._conn.recv()
+                    if kind == "until":
+                        self._valid_until = value
+                    elif kind == "end":
+                        self._end(value)
+            except (EOFError, OSError):
+                self._end("lost: the leader process is gone")
+                return False
+        return True
+
+    def _listen(self) -> None:
+        import os
+
+        with contextlib.suppress(OSError):
+            while self._drain():
+                self._conn.poll(None)
+        # The leader process is gone: nobody renews this term any more.
+        os._exit(70)
+
+
+def _isolated_main(
+    conn: Any,
+    settings_module: str,
+    target: Callable[[Leadership], Any],
+    term: tuple[str, int, str],
+    valid_until: float,
+) -> None:
+    """The child process of :meth:`LeaderElection.run` with ``isolate=True``."""
+    import os
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader handles Ctrl-C
+    if settings_module:
+        os.environ["DJANGO_SETTINGS_MODULE"] = settings_module
+    import django
+
+    django.setup()
+    leadership = _ChildLeadership(conn, *term)
+    leadership._valid_until = valid_until
+    threading.Thread(
+        target=leadership._listen, name="django-dlock-isolated-listen", daemon=True
+    ).start()
+    _current.set(leadership)
+    try:
+        answer: tuple[str, Any] = ("returned", target(leadership))
+    except BaseException as exc:
+        answer = ("raised", exc)
+    finally:
+        connections.close_all()
+    try:
+        conn.send(answer)
+    except Exception as exc:  # the value or the exception cannot be pickled
+        conn.send(("raised", TargetDied(f"the isolated target's answer cannot be sent: {exc!r}")))
+    conn.close()
