@@ -84,6 +84,7 @@ def advisory_locks_of(pid: int) -> int:
 
 
 def test_a_session_is_reused_and_pooled_only_when_it_holds_nothing():
+    sessions.close_all()  # idle sessions earlier tests left in the pool
     pids = set()
     for _ in range(3):
         with dlock.lock("p", strategy=ADV):

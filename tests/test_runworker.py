@@ -636,9 +636,12 @@ def test_an_isolated_job_that_holds_the_gil_cannot_starve_the_renewals(tmp_path)
         "--job", "tests.jobs.hold_gil", "--interval", "0.5", "--election", "gil",
         "--isolate", *FAST,
     ]  # fmt: skip
-    workers = [Worker(*args, runs=runs) for _ in range(2)]
+    # 2**28 backtracking steps: the GIL is held for well over the 2 s lease
+    # even on a fast machine (2**26 took ~1.4 s here)
+    slow = {"DLOCK_TEST_REGEX_SIZE": "28"}
+    workers = [Worker(*args, runs=runs, env=slow) for _ in range(2)]
     try:
-        wait_until(lambda: len(read_runs(runs)) >= 3, 120)
+        wait_until(lambda: len(read_runs(runs)) >= 3, 180)
         assert len(leaders(workers)) == 1
         assert all(w.proc.poll() is None for w in workers)
     finally:
@@ -679,6 +682,32 @@ def test_an_isolated_job_is_stopped_when_the_term_is_lost(tmp_path):
     finally:
         worker.kill()
     assert read_runs(runs) == []
+
+
+@db
+def test_an_isolated_job_ends_with_its_sigkilled_leader(tmp_path):
+    # The job holds the GIL (its listening thread cannot run), so only the
+    # kernel can end it when the leader dies; else it would run on for
+    # minutes while a standby leads.
+    marker = str(tmp_path / "started")
+    worker = Worker(
+        "--job", "tests.jobs.hold_gil", "--interval", "0.5", "--election", "isolated-kill",
+        "--isolate", *FAST,
+        runs=str(tmp_path / "runs.jsonl"),
+        env={"DLOCK_TEST_REGEX_SIZE": "40", "DLOCK_TEST_STARTED": marker},
+    )  # fmt: skip
+    child = None
+    try:
+        wait_until(lambda: os.path.exists(marker) and Path(marker).read_text(), 60)
+        with open(marker) as f:
+            child = int(f.read())
+        assert alive(child)
+        worker.kill()  # SIGKILL: the leader cannot stop its child
+        wait_until(lambda: not alive(child), 10)
+    finally:
+        worker.kill()
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:

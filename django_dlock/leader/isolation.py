@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -65,13 +68,33 @@ class _ChildLeadership(Leadership):
         return True
 
     def _listen(self) -> None:
-        import os
-
         with contextlib.suppress(OSError):
             while self._drain():
                 self._conn.poll(None)
         # The leader process is gone: nobody renews this term any more.
         os._exit(70)
+
+
+def _die_with_the_leader() -> None:
+    """End this child when the leader process dies, even a SIGKILLed one.
+
+    The child's listening thread notices a dead leader, but a target that
+    holds the GIL keeps that thread from running, and the target would go on
+    while a standby has taken over. On Linux the kernel kills the child
+    instead (``PR_SET_PDEATHSIG``); elsewhere only the listening thread is
+    there.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(70)  # the leader died before the kernel was told
 
 
 def _isolated_main(
@@ -82,8 +105,7 @@ def _isolated_main(
     valid_until: float,
 ) -> None:
     """The child process of :meth:`LeaderElection.run` with ``isolate=True``."""
-    import os
-
+    _die_with_the_leader()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader handles Ctrl-C
     if settings_module:
         os.environ["DJANGO_SETTINGS_MODULE"] = settings_module
