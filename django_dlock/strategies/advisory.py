@@ -62,7 +62,7 @@ from django_dlock.strategies.base import (
     lock_connection,
     require_postgresql,
 )
-from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire
+from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire, on_session
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -214,25 +214,9 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     ) -> Grant | None:
         if waiter is not None and waiter.cancelled:
             return None
-        for attempt in (1, 2):
-            try:
-                session = sessions.session_for(req.alias, req.token, holder)
-            except DLockError:
-                raise
-            except Exception as exc:
-                raise DLockError(
-                    f"cannot open a session for advisory locks on {req.alias!r}: {exc}"
-                ) from exc
-            try:
-                return self._acquire_on(session, req, deadline, waiter)
-            except sessions.SessionLost:
-                # A pooled connection that had died in the pool: once more on
-                # a new one (nothing was acquired on a dead session).
-                if attempt == 2:
-                    raise
-            finally:
-                session.pool.unpin(session)
-        raise AssertionError("unreachable")
+        return on_session(
+            req, holder, lambda session: self._acquire_on(session, req, deadline, waiter)
+        )
 
     def _acquire_on(
         self,

@@ -48,7 +48,7 @@ from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request, fetch_one, lock_connection
-from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire
+from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire, on_session
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -157,28 +157,12 @@ class MySQLAdvisoryStrategy(SessionAsyncAcquire):
         if waiter is not None and waiter.cancelled:
             return None
         name = name_of(req)
-        for attempt in (1, 2):
-            try:
-                session = sessions.session_for(
-                    req.alias, req.token, holder, mysql_sessions.MySQLPool
-                )
-            except DLockError:
-                raise
-            except Exception as exc:
-                raise DLockError(
-                    f"cannot open a connection for advisory locks on {req.alias!r}: {exc}"
-                ) from exc
+
+        def acquire_on(session: sessions.Session) -> Grant | None:
             assert isinstance(session, mysql_sessions.MySQLSession)
-            try:
-                return self._acquire_on(session, req, name, deadline, waiter)
-            except sessions.SessionLost:
-                # A pooled connection that had died in the pool: once more on
-                # a new one (nothing was acquired on a dead connection).
-                if attempt == 2:
-                    raise
-            finally:
-                session.pool.unpin(session)
-        raise AssertionError("unreachable")
+            return self._acquire_on(session, req, name, deadline, waiter)
+
+        return on_session(req, holder, acquire_on, mysql_sessions.MySQLPool)
 
     def _acquire_on(
         self,

@@ -17,9 +17,41 @@ from collections.abc import Callable
 
 from django_dlock import sessions
 from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import DLockError
 from django_dlock.identity import Holder, current_holder
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
+
+
+def on_session(
+    req: Request,
+    holder: Callable[[], Holder | None],
+    acquire_on: Callable[[sessions.Session], Grant | None],
+    kind: type[sessions.Pool] = sessions.Pool,
+) -> Grant | None:
+    """``acquire_on(session)`` on the holder's dedicated session.
+
+    A pooled session that had died in the pool holds nothing: the attempt
+    runs once more on a new one. A session that cannot be opened is a
+    :class:`DLockError` naming the database.
+    """
+    for attempt in (1, 2):
+        try:
+            session = sessions.session_for(req.alias, req.token, holder, kind)
+        except DLockError:
+            raise
+        except Exception as exc:
+            raise DLockError(
+                f"cannot open a session for advisory locks on {req.alias!r}: {exc}"
+            ) from exc
+        try:
+            return acquire_on(session)
+        except sessions.SessionLost:
+            if attempt == 2:
+                raise
+        finally:
+            session.pool.unpin(session)
+    raise AssertionError("unreachable")
 
 
 class AsyncWait:
