@@ -38,7 +38,6 @@ it at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Callable
@@ -63,6 +62,7 @@ from django_dlock.strategies.base import (
     lock_connection,
     require_postgresql,
 )
+from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire, on_session
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -176,20 +176,6 @@ def _sql(req: Request, fenced: bool = False) -> _Statements:
     return _SQL[(req.shared, len(req.key.advisory), fenced)]
 
 
-class _AsyncWait:
-    """Cancellation of one async acquisition, shared with its worker thread."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.session: sessions.Session | None = None
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        session = self.session
-        if session is not None:
-            session.cancel_wait()
-
-
 def _failed(req: Request, exc: Exception) -> DLockError:
     if isinstance(exc, psycopg.errors.UndefinedTable):
         return DLockError(
@@ -199,7 +185,7 @@ def _failed(req: Request, exc: Exception) -> DLockError:
     return DLockError(f"the advisory lock statement for {req.key.name!r} failed: {exc}")
 
 
-class AdvisoryStrategy:
+class AdvisoryStrategy(SessionAsyncAcquire):
     """Session-level advisory locks on dedicated sessions (module docstring)."""
 
     name = "advisory"
@@ -213,42 +199,6 @@ class AdvisoryStrategy:
     def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
         return self._acquire(req, deadline, current_holder, None)
 
-    async def aacquire(
-        self, req: Request, deadline: Deadline, policy: RetryInterval
-    ) -> Grant | None:
-        # The statements run in other threads, so that a wait in PostgreSQL's
-        # queue blocks neither the event loop nor Django's shared sync thread:
-        # the first try in the small shared executor, a wait (if the try
-        # failed and the timeout allows it) in a thread of its own, so that
-        # long waits never starve other tasks' tries.
-        holder = current_holder()
-        waiter = _AsyncWait()
-        loop = asyncio.get_running_loop()
-        first = loop.run_in_executor(
-            sessions.executor(), self._acquire, req, Deadline(0), lambda: holder, waiter
-        )
-        grant = await self._await(req, first, waiter)
-        if grant is not None or deadline.expired():
-            return grant
-        waiting = sessions.in_thread(loop, self._acquire, req, deadline, lambda: holder, waiter)
-        return await self._await(req, waiting, waiter)
-
-    async def _await(
-        self, req: Request, future: asyncio.Future[Grant | None], waiter: _AsyncWait
-    ) -> Grant | None:
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            waiter.cancel()  # ends a wait in progress, stops one not yet begun
-            future.add_done_callback(lambda done: self._give_back_late(req, done))
-            raise
-
-    def _give_back_late(self, req: Request, done: asyncio.Future[Grant | None]) -> None:
-        # The task was cancelled but its worker acquired the lock anyway.
-        if done.cancelled() or done.exception() is not None or done.result() is None:
-            return
-        sessions.executor().submit(self.release, req)
-
     def try_acquire(self, req: Request) -> int | None:
         grant = self._acquire(req, Deadline(0), current_holder, None)
         if grant is None:
@@ -260,36 +210,20 @@ class AdvisoryStrategy:
         req: Request,
         deadline: Deadline,
         holder: Callable[[], Holder | None],
-        waiter: _AsyncWait | None,
+        waiter: AsyncWait | None,
     ) -> Grant | None:
         if waiter is not None and waiter.cancelled:
             return None
-        for attempt in (1, 2):
-            try:
-                session = sessions.session_for(req.alias, req.token, holder)
-            except DLockError:
-                raise
-            except Exception as exc:
-                raise DLockError(
-                    f"cannot open a session for advisory locks on {req.alias!r}: {exc}"
-                ) from exc
-            try:
-                return self._acquire_on(session, req, deadline, waiter)
-            except sessions.SessionLost:
-                # A pooled connection that had died in the pool: once more on
-                # a new one (nothing was acquired on a dead session).
-                if attempt == 2:
-                    raise
-            finally:
-                session.pool.unpin(session)
-        raise AssertionError("unreachable")
+        return on_session(
+            req, holder, lambda session: self._acquire_on(session, req, deadline, waiter)
+        )
 
     def _acquire_on(
         self,
         session: sessions.Session,
         req: Request,
         deadline: Deadline,
-        waiter: _AsyncWait | None,
+        waiter: AsyncWait | None,
     ) -> Grant | None:
         fenced = fencing()
         sql = _sql(req, fenced)
@@ -322,7 +256,7 @@ class AdvisoryStrategy:
         req: Request,
         sql: _Statements,
         deadline: Deadline,
-        waiter: _AsyncWait | None,
+        waiter: AsyncWait | None,
     ) -> int | None:
         """Wait in PostgreSQL's lock queue, bounded by ``lock_timeout``."""
         while True:

@@ -31,7 +31,6 @@ it is released or the connection ends, so a crashed holder frees it at once.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import math
@@ -49,6 +48,7 @@ from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request, fetch_one, lock_connection
+from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire, on_session
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -114,25 +114,11 @@ def refuse_shared(req: Request) -> None:
         )
 
 
-class _AsyncWait:
-    """Cancellation of one async acquisition, shared with its worker thread."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.session: mysql_sessions.MySQLSession | None = None
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        session = self.session
-        if session is not None:
-            session.cancel_wait()
-
-
 def _failed(req: Request, exc: Exception) -> DLockError:
     return DLockError(f"the GET_LOCK statement for {req.key.name!r} failed: {exc}")
 
 
-class MySQLAdvisoryStrategy:
+class MySQLAdvisoryStrategy(SessionAsyncAcquire):
     """``GET_LOCK`` user locks on dedicated connections (module docstring)."""
 
     name = "advisory"
@@ -154,36 +140,8 @@ class MySQLAdvisoryStrategy:
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:
-        # As on PostgreSQL: the first try in the small shared executor, a wait
-        # in a thread of its own, so the event loop never blocks.
         refuse_shared(req)
-        holder = current_holder()
-        waiter = _AsyncWait()
-        loop = asyncio.get_running_loop()
-        first = loop.run_in_executor(
-            sessions.executor(), self._acquire, req, Deadline(0), lambda: holder, waiter
-        )
-        grant = await self._await(req, first, waiter)
-        if grant is not None or deadline.expired():
-            return grant
-        waiting = sessions.in_thread(loop, self._acquire, req, deadline, lambda: holder, waiter)
-        return await self._await(req, waiting, waiter)
-
-    async def _await(
-        self, req: Request, future: asyncio.Future[Grant | None], waiter: _AsyncWait
-    ) -> Grant | None:
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            waiter.cancel()  # interrupts a wait in progress, stops one not yet begun
-            future.add_done_callback(lambda done: self._give_back_late(req, done))
-            raise
-
-    def _give_back_late(self, req: Request, done: asyncio.Future[Grant | None]) -> None:
-        # The task was cancelled but its worker acquired the lock anyway.
-        if done.cancelled() or done.exception() is not None or done.result() is None:
-            return
-        sessions.executor().submit(self.release, req)
+        return await super().aacquire(req, deadline, policy)
 
     def try_acquire(self, req: Request) -> int | None:
         refuse_shared(req)
@@ -194,33 +152,17 @@ class MySQLAdvisoryStrategy:
         req: Request,
         deadline: Deadline,
         holder: Callable[[], Holder | None],
-        waiter: _AsyncWait | None,
+        waiter: AsyncWait | None,
     ) -> Grant | None:
         if waiter is not None and waiter.cancelled:
             return None
         name = name_of(req)
-        for attempt in (1, 2):
-            try:
-                session = sessions.session_for(
-                    req.alias, req.token, holder, mysql_sessions.MySQLPool
-                )
-            except DLockError:
-                raise
-            except Exception as exc:
-                raise DLockError(
-                    f"cannot open a connection for advisory locks on {req.alias!r}: {exc}"
-                ) from exc
+
+        def acquire_on(session: sessions.Session) -> Grant | None:
             assert isinstance(session, mysql_sessions.MySQLSession)
-            try:
-                return self._acquire_on(session, req, name, deadline, waiter)
-            except sessions.SessionLost:
-                # A pooled connection that had died in the pool: once more on
-                # a new one (nothing was acquired on a dead connection).
-                if attempt == 2:
-                    raise
-            finally:
-                session.pool.unpin(session)
-        raise AssertionError("unreachable")
+            return self._acquire_on(session, req, name, deadline, waiter)
+
+        return on_session(req, holder, acquire_on, mysql_sessions.MySQLPool)
 
     def _acquire_on(
         self,
@@ -228,7 +170,7 @@ class MySQLAdvisoryStrategy:
         req: Request,
         name: str,
         deadline: Deadline,
-        waiter: _AsyncWait | None,
+        waiter: AsyncWait | None,
     ) -> Grant | None:
         if waiter is not None:
             waiter.session = session
@@ -258,7 +200,7 @@ class MySQLAdvisoryStrategy:
         req: Request,
         name: str,
         deadline: Deadline,
-        waiter: _AsyncWait | None,
+        waiter: AsyncWait | None,
     ) -> bool:
         """Wait in the server for the lock, at most until ``deadline``."""
         while True:
