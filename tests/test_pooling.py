@@ -600,7 +600,7 @@ def test_pgbouncer_pool_held_by_transactions_with_a_direct_alias(bouncer, strate
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
-def test_checks_w040_w041_name_the_fixes_for_a_pooler(bouncer):
+def test_checks_w050_w051_name_the_fixes_for_a_pooler(bouncer):
     from django.core import checks
 
     def ids(alias: str) -> list[str]:
@@ -621,7 +621,7 @@ def test_checks_w040_w041_name_the_fixes_for_a_pooler(bouncer):
         settings["DISABLE_SERVER_SIDE_CURSORS"] = False
 
 
-def test_check_e040_direct_databases():
+def test_check_e050_direct_databases():
     from django_dlock.checks import check_direct_databases
 
     with override_settings(DLOCK_DIRECT_DATABASES={"default": "sqlite"}):
