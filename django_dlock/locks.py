@@ -526,26 +526,20 @@ class Lock:
         that has run out or was taken over is reported lost and not held.
         A lost lock is never reported as held.
         """
-        held = self._holdings()
-        if len(held) != len(self.keys):
-            return False
-        for holding in held:
-            if not holding.lost and holding.may_have_expired():
-                self._confirm(holding)
-        return not any(h.lost for h in held)
+        return self._held_by(current_holder(), off_loop=True)
 
     async def aheld(self) -> bool:
         """Async :meth:`held`, for the calling task."""
         holder = current_holder()
-        return bool(await sync_to_async(self._held_by)(holder))
+        return bool(await sync_to_async(self._held_by)(holder, off_loop=False))
 
-    def _held_by(self, holder: Holder) -> bool:
+    def _held_by(self, holder: Holder, off_loop: bool) -> bool:
         held = self._holdings(holder)
         if len(held) != len(self.keys):
             return False
         for holding in held:
             if not holding.lost and holding.may_have_expired():
-                self._confirm(holding, off_loop=False)
+                self._confirm(holding, off_loop=off_loop)
         return not any(h.lost for h in held)
 
     def _confirm(self, holding: Holding, off_loop: bool = True) -> bool:
@@ -617,10 +611,7 @@ class Lock:
     @staticmethod
     def _renew_or_lose(holding: Holding, ttl: float) -> None:
         """One statement: renew the lease if it is still ours, else record the loss."""
-        sent_at = time.monotonic()
-        if holding.strategy.extend(holding.request, ttl):
-            holding.renewed(sent_at, ttl)
-        else:
+        if not Lock._renew(holding, ttl):
             holding.mark_lost(holding.loss_reason("the lease ran out before re-entry"))
 
     def _lease_ttl(self) -> float:
@@ -673,6 +664,7 @@ class Lock:
 
     @staticmethod
     def _renew(holding: Holding, ttl: float) -> bool:
+        """One statement: move the lease if it is still ours (and note until when)."""
         sent_at = time.monotonic()
         if holding.strategy.extend(holding.request, ttl):
             holding.renewed(sent_at, ttl)
@@ -918,11 +910,9 @@ class Lock:
         for holding in holdings:
             if holding.lost:
                 raise holding.error()
-            sent_at = time.monotonic()
-            if not holding.strategy.extend(holding.request, seconds):
+            if not self._renew(holding, seconds):
                 holding.mark_lost(holding.loss_reason("the database no longer had it at extend"))
                 raise holding.error()
-            holding.renewed(sent_at, seconds)
 
     # -- inspection (asks the database) -----------------------------------------
 
