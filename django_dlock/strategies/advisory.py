@@ -62,6 +62,7 @@ from django_dlock.strategies.base import (
     lock_connection,
     require_postgresql,
 )
+from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire, on_session
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def _statements(shared: bool, parts: int, fencing: bool) -> _Statements:
     suffix = "_shared" if shared else ""
     args, types = ("$1", (_BIGINT,)) if parts == 1 else ("$1, $2", (_INT4, _INT4))
     wait_args = "%s::bigint" if parts == 1 else "%s::int4, %s::int4"
-    fence = "nextval('django_dlock_fence')" if fencing else "0"
+    fence = NEXT_FENCE if fencing else "0"
     return _Statements(
         # Without fencing the first column is 0 (acquired) or NULL.
         try_=sessions.Statement(

@@ -15,7 +15,10 @@ holder's token and judges the lease on the database clock:
 Fencing numbers: on PostgreSQL every acquisition by a new holder takes
 ``nextval('django_dlock_fence')`` (and at least the row's number + 1):
 strictly greater than every number issued before for that key.
-``dlock_cleanup`` raises the sequence above every number it deletes.
+``dlock_cleanup`` raises the sequence above every number it deletes. After
+a fail-over (a promoted standby: a new timeline) the sequence first jumps to
+``(timeline - 1) * 2**44``, so numbers a standby never received are not
+issued again (see :mod:`django_dlock.strategies.fence`).
 
 Durability (PostgreSQL): by default each lease write waits for its WAL
 flush, like any commit. With ``DLOCK_LEASE_SYNCHRONOUS_COMMIT = False`` lease
@@ -60,6 +63,7 @@ from django_dlock.strategies.base import (
     lock_connection,
     with_reconnect,
 )
+from django_dlock.strategies.fence import NEXT_FENCE
 
 #: longest a PostgreSQL waiter parks between checks when it relies on NOTIFY
 MAX_PARK = 2.0
@@ -106,9 +110,8 @@ RETURNING fence{{returning}}
 # numbers also follow the database clock, which a crash cannot roll back.
 _FAST_COMMIT = ", set_config('synchronous_commit', 'off', true)"
 _FENCE = {
-    True: "nextval('django_dlock_fence')",
-    False: "GREATEST(nextval('django_dlock_fence'), "
-    "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint)",
+    True: NEXT_FENCE,
+    False: f"GREATEST({NEXT_FENCE}, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)",
 }
 _PG_ACQUIRE_SQL = {
     durable: _PG_ACQUIRE.format(
@@ -154,13 +157,13 @@ _MYSQL_INSERT = (
 
 _PG_TAKE_OVER = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
-VALUES (%s, %s, %s, nextval('django_dlock_fence'), statement_timestamp(),
+VALUES (%s, %s, %s, {NEXT_FENCE}, statement_timestamp(),
         statement_timestamp() + %s * interval '1 second')
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
     fence = CASE WHEN l.token = EXCLUDED.token THEN l.fence
-                 ELSE nextval('django_dlock_fence') END,
+                 ELSE GREATEST(EXCLUDED.fence, l.fence + 1) END,
     acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
                        ELSE EXCLUDED.acquired_at END,
     expire_at = EXCLUDED.expire_at

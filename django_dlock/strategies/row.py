@@ -51,6 +51,7 @@ from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies.base import Grant, Request, cursor, lock_connection
+from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.xact import (
     MAX_LOCK_TIMEOUT_MS,
     TransactionScoped,
@@ -62,7 +63,7 @@ TABLE = "django_dlock_lock"
 
 _PG_TRY = f"""
 WITH l AS MATERIALIZED (SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
-SELECT (SELECT nextval('django_dlock_fence') FROM l),
+SELECT (SELECT {NEXT_FENCE} FROM l),
        EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)
 """
 
@@ -72,7 +73,7 @@ _PG_WAIT = f"""
 WITH t AS MATERIALIZED (SELECT current_setting('lock_timeout') AS prev,
                                set_config('lock_timeout', %s, true) AS cur),
      l AS MATERIALIZED (SELECT r.id FROM {TABLE} r, t WHERE r.name = %s FOR UPDATE OF r)
-SELECT CASE WHEN l.id IS NOT NULL THEN nextval('django_dlock_fence') END,
+SELECT CASE WHEN l.id IS NOT NULL THEN {NEXT_FENCE} END,
        l.id IS NOT NULL,
        set_config('lock_timeout', t.prev, true)
 FROM t LEFT JOIN l ON true

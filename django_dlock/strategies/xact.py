@@ -59,6 +59,7 @@ from django_dlock.strategies.base import (
     lock_connection,
     require_postgresql,
 )
+from django_dlock.strategies.fence import NEXT_FENCE
 
 #: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
 MAX_LOCK_TIMEOUT_MS = 2_000_000_000
@@ -257,7 +258,7 @@ def _args_sql(key: Key) -> str:
 
 
 def _fence_sql(fenced: bool) -> str:
-    return "nextval('django_dlock_fence')" if fenced else "0"
+    return NEXT_FENCE if fenced else "0"
 
 
 def _xact_try_sql(req: Request, fenced: bool) -> str:

@@ -1,0 +1,41 @@
+"""The next fencing number on PostgreSQL, also across a fail-over.
+
+Every strategy that issues fencing numbers on PostgreSQL takes them from the
+``django_dlock_fence`` sequence through :data:`NEXT_FENCE`. A sequence is
+WAL-logged ahead, 32 numbers at a time (see "Sequence Manipulation
+Functions" in the PostgreSQL documentation): if the primary dies before a
+standby received the record of the latest batch, the promoted standby hands
+out numbers of that batch again, numbers the old primary already gave to
+holders. A fencing number must never go backwards, so:
+
+* promotion starts a new **timeline** (PostgreSQL's "Timelines" in
+  "Continuous Archiving and Point-in-Time Recovery"), visible at once in the
+  name of the current WAL file, ``pg_walfile_name(pg_current_wal_lsn())``,
+  whose first eight hex digits are the timeline ID;
+* the first number taken on a timeline ``t`` that is below
+  ``(t - 1) * 2**44`` raises the sequence by that much (``setval``), so
+  every number of timeline ``t`` is above every number of the timelines
+  before (as long as fewer than 2**44, about 1.7e13, numbers are taken per
+  timeline). On timeline 1, a database never promoted, nothing changes.
+
+The raise is stored in the sequence itself: a copy of the database
+(``pg_dump``, logical replication) carries it along. Two statements that
+raise at the same moment may return the same number for two different keys;
+per key, numbers stay strictly increasing (each strategy also takes at
+least the key's previous number + 1 where it keeps one).
+"""
+
+from __future__ import annotations
+
+#: bits below the timeline in a fencing number (numbers per timeline: 2**44)
+TIMELINE_SHIFT = 44
+
+_TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
+
+#: a SQL expression (no parameters): the next fencing number
+NEXT_FENCE = (
+    "(SELECT CASE WHEN n.v >= n.epoch THEN n.v "
+    "ELSE setval('django_dlock_fence', n.epoch + n.v) END "
+    "FROM (SELECT nextval('django_dlock_fence') AS v, "
+    f"({_TIMELINE} - 1) << {TIMELINE_SHIFT} AS epoch) AS n)"
+)

@@ -1,0 +1,316 @@
+"""Fail-over of PostgreSQL: the primary dies, its streaming standby is promoted.
+
+Each test runs on its own pair of private clusters (never the shared
+service): a primary and a standby built with PostgreSQL's own tools
+(``pg_basebackup -R``, a replication slot), behind a TCP :class:`Switch`
+that plays the operator's virtual IP or DNS name. The fail-over is what a
+real one is: the primary is killed (SIGKILL of every process), the standby
+promoted (``pg_ctl promote``), the switch moved to it; Django's settings do
+not change, its connections drop and reconnect.
+
+* Synchronous replication (``synchronous_standby_names``,
+  ``synchronous_commit = on``): every lease acquired before the kill is on
+  the new primary; its holder keeps renewing it and nobody else gets it.
+* Asynchronous replication, with the standby cut off first so that the
+  primary's last writes never reach it: the lease acquired meanwhile is
+  gone, its holder learns it on the next renewal (``LockLost``, ``lost``,
+  ``lock_lost``), and the fencing numbers of the new primary are above
+  every number the old one issued, although its raw sequence is behind.
+* Advisory locks are not replicated at all: their holders learn the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.test import override_settings
+
+import django_dlock as dlock
+from django_dlock.signals import lock_lost
+
+from . import pgcluster
+from .helpers import in_thread, wait_until
+from .pgcluster import PrivateCluster, Switch
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        pgcluster.available() is not None,
+        reason=f"no PostgreSQL server binaries: {pgcluster.available()}",
+    ),
+]
+
+SYNC, ASYNC, LEADER = "failover_sync", "failover_async", "failover_leader"
+DATABASE = "dlock_failover"
+
+
+class Pair:
+    """A primary, its streaming standby, and the switch the clients connect to."""
+
+    def __init__(self, synchronous: bool) -> None:
+        self.primary = PrivateCluster(fsync="off").create()
+        self.standby: PrivateCluster | None = None
+        self.switch: Switch | None = None
+        try:
+            self.standby = self.primary.standby()
+            if synchronous:
+                self.primary.make_synchronous()
+            self.switch = Switch(self.primary.port)
+        except BaseException:
+            self.destroy()
+            raise
+
+    @property
+    def new_primary(self) -> PrivateCluster:
+        assert self.standby is not None
+        return self.standby
+
+    def fail_over(self) -> None:
+        """Kill the primary, promote the standby, move the switch to it."""
+        assert self.standby is not None and self.switch is not None
+        self.primary.kill()
+        self.standby.promote()
+        self.switch.point_to(self.standby.port)
+
+    def destroy(self) -> None:
+        if self.switch is not None:
+            self.switch.close()
+        for cluster in (self.primary, self.standby):
+            if cluster is not None:
+                cluster.destroy()
+
+
+@contextlib.contextmanager
+def _pair(alias: str, synchronous: bool, django_db_blocker: Any) -> Iterator[Pair]:
+    # Module scope: the alias must exist before the test case starts (Django 6
+    # refuses connections to an alias that appears during a test).
+    pair = Pair(synchronous)
+    assert pair.switch is not None
+    try:
+        with django_db_blocker.unblock(), pair.primary.attached(alias, DATABASE, pair.switch.port):
+            pair.primary.caught_up(pair.new_primary)
+            yield pair
+    finally:
+        pair.destroy()
+
+
+@pytest.fixture(scope="module")
+def sync_pair(django_db_blocker):
+    with _pair(SYNC, True, django_db_blocker) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def async_pair(django_db_blocker):
+    with _pair(ASYNC, False, django_db_blocker) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def leader_pair(django_db_blocker):
+    with _pair(LEADER, False, django_db_blocker) as pair:
+        yield pair
+
+
+@pytest.fixture
+def losses() -> Iterator[list[dict[str, Any]]]:
+    """Every ``lock_lost`` signal sent during the test."""
+    seen: list[dict[str, Any]] = []
+    mutex = threading.Lock()
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        with mutex:
+            seen.append(kwargs)
+
+    lock_lost.connect(receiver, weak=False)
+    try:
+        yield seen
+    finally:
+        lock_lost.disconnect(receiver)
+
+
+def _try(name: str, alias: str, **kwargs: Any) -> int | None:
+    """Another holder (a new thread) tries ``name`` once; its fence, or None."""
+
+    def attempt() -> int | None:
+        lk = dlock.lock(name, using=alias, **kwargs)
+        if not lk.acquire(timeout=0):
+            return None
+        fence = lk.fence
+        lk.release()
+        return fence if fence is not None else 0
+
+    fence: int | None = in_thread(attempt)
+    return fence
+
+
+def _take(name: str, alias: str, **kwargs: Any) -> int:
+    """Another holder takes ``name`` (it must be free); its fence."""
+    fence = _try(name, alias, **kwargs)
+    assert fence is not None, f"{name} is not free"
+    return fence
+
+
+def _raw_sequence(cluster: PrivateCluster) -> int:
+    (value,) = cluster.sql("SELECT last_value FROM django_dlock_fence", dbname=DATABASE)[0]
+    return int(value)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SYNC])
+def test_synchronous_replication_loses_no_lease(sync_pair, losses):
+    renewed = dlock.lock("sync:renewed", using=SYNC, ttl=9.0, renew=True)
+    assert renewed.acquire(timeout=0)
+    renewer = renewed._holdings()[0].renewer
+    assert renewer is not None
+    # Acquired just before the kill: each commit waited for the standby.
+    keys = [f"sync:{i}" for i in range(20)]
+    held = [dlock.lock(key, using=SYNC, ttl=300) for key in keys]
+    for lk in held:
+        assert lk.acquire(timeout=0)
+    fences = [lk.fence for lk in held] + [renewed.fence]
+    assert all(isinstance(f, int) for f in fences)
+
+    advisory = dlock.lock("sync:advisory", using=SYNC, strategy="advisory")
+    seen: dict[str, Any] = {}
+    # (Only observations inside the block: an assertion error there would
+    # be masked by the LockLost that leaving the block raises.)
+    with pytest.raises(dlock.LockLost), advisory:
+        sync_pair.fail_over()
+        seen["advisory owned"] = advisory.owned()
+        seen["advisory lost"] = advisory.lost
+        seen["advisory free"] = _try("sync:advisory", SYNC, strategy="advisory")
+    assert seen == {"advisory owned": False, "advisory lost": True, "advisory free": 0}
+    assert not advisory.lost  # reported by leaving the block
+
+    # Every lease is on the new primary and still ours.
+    for lk in held:
+        assert lk.owned()
+        lk.extend()
+    assert not any(_try(key, SYNC) for key in keys)
+    before = renewer.renewals
+    wait_until(lambda: renewer.renewals >= before + 2, timeout=60)
+    assert not renewed.lost and renewed.owned()
+    assert _try("sync:renewed", SYNC) is None
+    assert [s["name"] for s in losses] == [advisory.name]
+
+    for lk in [*held, renewed]:
+        lk.release()
+    after = _try("sync:0", SYNC)
+    assert after is not None and after > max(f for f in fences if f is not None)
+    assert not renewed.lost
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", ASYNC])
+def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_pair, losses):
+    pair = async_pair
+    replicated = dlock.lock("async:replicated", using=ASYNC, ttl=300)
+    assert replicated.acquire(timeout=0)
+    issued = [replicated.fence]
+    pair.primary.caught_up(pair.new_primary)
+
+    # From here on, nothing the primary writes reaches the standby.
+    pair.new_primary.cut_off()
+    unreplicated = dlock.lock("async:unreplicated", using=ASYNC, ttl=6.0, renew=True)
+    assert unreplicated.acquire(timeout=0)
+    issued.append(unreplicated.fence)
+    # More than one batch of the fence sequence (32 numbers), so the old
+    # primary gives out numbers whose WAL record the standby never gets.
+    for i in range(40):
+        lk = dlock.lock(f"async:burst:{i}", using=ASYNC, ttl=300)
+        assert lk.acquire(timeout=0)
+        issued.append(lk.fence)
+        lk.release()
+    advisory = dlock.lock("async:advisory", using=ASYNC, strategy="advisory")
+    assert advisory.acquire(timeout=0)
+    highest = max(f for f in issued if f is not None)
+
+    pair.fail_over()
+
+    # The hazard is real: the new primary's sequence is behind the old one's.
+    assert _raw_sequence(pair.new_primary) < highest
+    assert pair.new_primary.timeline() == 2
+
+    # The lease that had reached the standby is still held.
+    assert replicated.owned()
+    replicated.extend()
+    assert _try("async:replicated", ASYNC) is None
+
+    # The unreplicated lease: its next renewal finds it gone.
+    wait_until(lambda: unreplicated.lost, timeout=60)
+    assert not unreplicated.owned()
+    with pytest.raises(dlock.LockLost):
+        unreplicated.extend()
+    with pytest.raises(dlock.LockLost):
+        unreplicated.release()
+
+    # Another holder takes it, and every number the new primary issues is
+    # above every number the old primary issued.
+    after = [_take("async:unreplicated", ASYNC), _take("async:burst:0", ASYNC)]
+    after.append(_take("async:fresh", ASYNC))
+    with override_settings(DLOCK_ADVISORY_FENCING=True):
+        after.append(_take("async:fenced", ASYNC, strategy="advisory"))
+    assert min(after) > highest, (after, highest)
+    assert after == sorted(after) and len(set(after)) == len(after)
+
+    # The advisory lock vanished with the old primary.
+    assert not advisory.owned()
+    assert advisory.lost
+    with pytest.raises(dlock.LockLost):
+        advisory.release()
+    assert _take("async:advisory", ASYNC, strategy="advisory") == 0
+
+    assert sorted(s["name"] for s in losses) == sorted([unreplicated.name, advisory.name])
+    replicated.release()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", LEADER])
+def test_leader_elected_after_the_cut_off_steps_down_and_leads_again_in_a_higher_term(
+    leader_pair,
+):
+    pair = leader_pair
+    events: list[tuple[str, int | None]] = []
+    changed = threading.Condition()
+
+    def record(event: str, term: int | None = None) -> None:
+        with changed:
+            events.append((event, term))
+            changed.notify_all()
+
+    election = dlock.LeaderElection(
+        "failover",
+        using=LEADER,
+        lease=6.0,
+        renew_deadline=4.0,
+        retry=0.5,
+        on_started_leading=lambda term: record("started", term),
+        on_stopped_leading=lambda: record("stopped"),
+    )
+    pair.new_primary.cut_off()
+    election.start()
+    try:
+        wait_until(lambda: election.is_leader, timeout=60)
+        first = election.term
+        assert first is not None
+
+        # Its leadership row never reached the standby.
+        pair.fail_over()
+
+        wait_until(lambda: len(events) >= 3, timeout=60)
+        assert [e for e, _ in events[:3]] == ["started", "stopped", "started"]
+        second = events[2][1]
+        assert second is not None and second > first
+        wait_until(lambda: election.is_leader, timeout=60)
+        assert election.term == second
+        # This thread's Django connection died with the old primary; Django
+        # drops such a connection at the end of each request.
+        connections[LEADER].close()
+        record_now = election.leader()
+        assert record_now is not None and record_now.term == second
+    finally:
+        election.stop()
+        connections.close_all()
