@@ -217,6 +217,10 @@ class PrivateCluster:
                 raise TimeoutError("the killed primary still accepts connections")
             time.sleep(0.05)
 
+    def stop(self) -> None:
+        """A clean, fast shutdown: a standby connected to it gets all of its WAL first."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-m", "fast", "stop")
+
     def promote(self) -> None:
         """On a standby: become a primary (a new timeline), and wait until it accepts writes."""
         self._run("pg_ctl", "-D", str(self.data), "-w", "promote")

@@ -16,7 +16,11 @@ not change, its connections drop and reconnect.
   gone, its holder learns it on the next renewal (``LockLost``, ``lost``,
   ``lock_lost``), and the fencing numbers of the new primary are above
   every number the old one issued, although its raw sequence is behind.
+* A planned switchover (a clean shutdown of the primary) keeps every lease,
+  also with asynchronous replication.
 * Advisory locks are not replicated at all: their holders learn the loss.
+* A leader whose leadership was lost with the old primary stops, and leads
+  again in a higher term.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ pytestmark = [
 ]
 
 SYNC, ASYNC, LEADER = "failover_sync", "failover_async", "failover_leader"
+PLANNED = "failover_planned"
 DATABASE = "dlock_failover"
 
 
@@ -70,10 +75,13 @@ class Pair:
         assert self.standby is not None
         return self.standby
 
-    def fail_over(self) -> None:
-        """Kill the primary, promote the standby, move the switch to it."""
+    def fail_over(self, planned: bool = False) -> None:
+        """Kill (or, planned, stop) the primary, promote the standby, move the switch to it."""
         assert self.standby is not None and self.switch is not None
-        self.primary.kill()
+        if planned:
+            self.primary.stop()
+        else:
+            self.primary.kill()
         self.standby.promote()
         self.switch.point_to(self.standby.port)
 
@@ -114,6 +122,12 @@ def async_pair(django_db_blocker):
 @pytest.fixture(scope="module")
 def leader_pair(django_db_blocker):
     with _pair(LEADER, False, django_db_blocker) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def planned_pair(django_db_blocker):
+    with _pair(PLANNED, False, django_db_blocker) as pair:
         yield pair
 
 
@@ -314,3 +328,32 @@ def test_leader_elected_after_the_cut_off_steps_down_and_leads_again_in_a_higher
     finally:
         election.stop()
         connections.close_all()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", PLANNED])
+def test_planned_switchover_keeps_every_lease_also_with_asynchronous_replication(
+    planned_pair, losses
+):
+    # Acquired right before the shutdown, without waiting for the standby:
+    # a clean shutdown sends its standbys all of its WAL before it stops.
+    keys = [f"planned:{i}" for i in range(20)]
+    held = [dlock.lock(key, using=PLANNED, ttl=300) for key in keys]
+    for lk in held:
+        assert lk.acquire(timeout=0)
+    highest = max(lk.fence or 0 for lk in held)
+    advisory = dlock.lock("planned:advisory", using=PLANNED, strategy="advisory")
+    assert advisory.acquire(timeout=0)
+
+    planned_pair.fail_over(planned=True)
+
+    for lk in held:
+        assert lk.owned()
+        lk.extend()
+    assert not any(_try(key, PLANNED) for key in keys)
+    assert not advisory.owned()
+    with pytest.raises(dlock.LockLost):
+        advisory.release()
+    assert [s["name"] for s in losses] == [advisory.name]
+    for lk in held:
+        lk.release()
+    assert _take("planned:0", PLANNED) > highest
