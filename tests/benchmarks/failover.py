@@ -343,18 +343,116 @@ def table(aliases: list[str], rounds: int) -> str:
     return "\n".join(lines)
 
 
+# -- the database itself fails over ------------------------------------------------------------
+#
+#     python -m tests.benchmarks.failover --primary-killed
+#
+# A private primary and its streaming standby (tests/pgcluster.py), Django connected
+# through a TCP switch (the virtual IP). The primary is SIGKILLed, the standby promoted at
+# once (``pg_ctl promote``) and the switch moved to it, while one client tries to acquire
+# a free lease in a loop: the seconds from the kill to its first acquisition on the new
+# primary. An HA manager (Patroni, a provider) adds its own detection time before it
+# promotes; this is the rest: promotion, reconnection and the first lease statement.
+
+
+@dataclass
+class PrimaryKilled:
+    promote_s: float
+    acquired_s: float
+
+
+def measure_primary_killed() -> PrimaryKilled:
+    from django.core.management import call_command
+    from django.db import connections
+
+    import django_dlock as dlock
+    from tests.pgcluster import PrivateCluster, Switch
+
+    alias = f"failover_bench_{os.getpid()}"
+    primary = PrivateCluster(fsync="off").create()
+    standby: PrivateCluster | None = None
+    switch: Switch | None = None
+    try:
+        standby = primary.standby()
+        switch = Switch(primary.port)
+        primary.create_database("dlock_bench")
+        connections.settings[alias] = primary.database_settings(
+            connections.settings["default"], "dlock_bench", switch.port
+        )
+        call_command("migrate", database=alias, verbosity=0)
+        primary.caught_up(standby)
+        acquired = threading.Event()
+        acquired_at: list[float] = []
+
+        def client() -> None:
+            while True:
+                try:
+                    lk = dlock.lock("bench-primary-killed", using=alias, ttl=30)
+                    if lk.acquire(timeout=0):
+                        acquired_at.append(time.monotonic())
+                        lk.release()
+                        acquired.set()
+                        return
+                except Exception:
+                    connections[alias].close()
+                time.sleep(0.002)
+
+        killed = time.monotonic()
+        primary.kill()
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        standby.promote()
+        promoted = time.monotonic()
+        switch.point_to(standby.port)
+        if not acquired.wait(120):
+            raise RuntimeError("no lease acquired on the new primary")
+        return PrimaryKilled(promoted - killed, acquired_at[0] - killed)
+    finally:
+        connections[alias].close()
+        del connections[alias]
+        del connections.settings[alias]
+        if switch is not None:
+            switch.close()
+        for cluster in (primary, standby):
+            if cluster is not None:
+                cluster.destroy()
+
+
+def primary_killed_table(rounds: int) -> str:
+    samples = [measure_primary_killed() for _ in range(rounds)]
+    lines = [
+        "| primary SIGKILLed, standby promoted at once | median s | samples s |",
+        "| --- | ---: | --- |",
+    ]
+    for label, values in (
+        ("until the standby is promoted (`pg_ctl promote -w`)", [s.promote_s for s in samples]),
+        ("until a lease is acquired on the new primary", [s.acquired_s for s in samples]),
+    ):
+        text = ", ".join(f"{v:.3f}" for v in values)
+        lines.append(f"| {label} | {statistics.median(values):.3f} | {text} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.failover")
     parser.add_argument("--using", action="append", help="database aliases (default: all)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--primary-killed",
+        action="store_true",
+        help="kill a private PostgreSQL primary and promote its standby instead",
+    )
     args = parser.parse_args()
     os.environ["DJANGO_SETTINGS_MODULE"] = "tests.settings"
     os.environ["DLOCK_TEST_CHILD"] = "1"
     import django
 
     django.setup()
+    if args.primary_killed:
+        print(primary_killed_table(args.rounds))
+        return
     print(table(args.using or ["default", "mysql", "sqlite"], args.rounds))
 
 
