@@ -36,6 +36,7 @@ from django.test import override_settings
 
 import django_dlock as dlock
 from django_dlock.signals import lock_lost
+from django_dlock.strategies.fence import NEXT_FENCE
 
 from . import pgcluster
 from .helpers import in_thread, wait_until
@@ -170,6 +171,19 @@ def _take(name: str, alias: str, **kwargs: Any) -> int:
     return fence
 
 
+def _fence_as(cluster: PrivateCluster, role: str) -> int:
+    """The next fencing number, taken on ``cluster`` as ``role``."""
+    import psycopg
+
+    with psycopg.connect(
+        host="127.0.0.1", port=cluster.port, user="postgres", dbname=DATABASE, autocommit=True
+    ) as conn:
+        conn.execute(f'SET ROLE "{role}"')
+        row = conn.execute(f"SELECT {NEXT_FENCE}").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def _raw_sequence(cluster: PrivateCluster) -> int:
     (value,) = cluster.sql("SELECT last_value FROM django_dlock_fence", dbname=DATABASE)[0]
     return int(value)
@@ -227,6 +241,13 @@ def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_
     issued = [replicated.fence]
     pair.primary.caught_up(pair.new_primary)
 
+    for statement in (
+        "CREATE ROLE dlock_fence_user",
+        "GRANT USAGE ON SEQUENCE django_dlock_fence TO dlock_fence_user",
+    ):
+        pair.primary.sql(statement, dbname=DATABASE)
+    pair.primary.caught_up(pair.new_primary)
+
     # From here on, nothing the primary writes reaches the standby.
     pair.new_primary.cut_off()
     unreplicated = dlock.lock("async:unreplicated", using=ASYNC, ttl=6.0, renew=True)
@@ -249,6 +270,12 @@ def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_
     assert _raw_sequence(pair.new_primary) < highest
     assert pair.new_primary.timeline() == 2
 
+    # A role that may not raise the sequence gets numbers above the old
+    # primary's too (the sequence stays where it is).
+    limited = [_fence_as(pair.new_primary, "dlock_fence_user") for _ in range(2)]
+    assert highest < limited[0] < limited[1], (highest, limited)
+    assert _raw_sequence(pair.new_primary) < highest
+
     # The lease that had reached the standby is still held.
     assert replicated.owned()
     replicated.extend()
@@ -268,7 +295,7 @@ def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_
     after.append(_take("async:fresh", ASYNC))
     with override_settings(DLOCK_ADVISORY_FENCING=True):
         after.append(_take("async:fenced", ASYNC, strategy="advisory"))
-    assert min(after) > highest, (after, highest)
+    assert min(after) > max(limited), (after, limited)
     assert after == sorted(after) and len(set(after)) == len(after)
 
     # The advisory lock vanished with the old primary.

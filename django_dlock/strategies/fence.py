@@ -19,7 +19,11 @@ holders. A fencing number must never go backwards, so:
   timeline). On timeline 1, a database never promoted, nothing changes.
 
 The raise is stored in the sequence itself: a copy of the database
-(``pg_dump``, logical replication) carries it along. Two statements that
+(``pg_dump``, logical replication) carries it along. ``setval`` needs the
+``UPDATE`` privilege on the sequence; a role that has only ``USAGE`` gets
+``(t - 1) * 2**44`` added to the sequence's number instead (just as
+increasing, but not stored), until a role that may raise the sequence
+takes a number. Two statements that
 raise at the same moment may return the same number for two different keys;
 per key, numbers stay strictly increasing (each strategy also takes at
 least the key's previous number + 1 where it keeps one).
@@ -35,7 +39,9 @@ _TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(3
 #: a SQL expression (no parameters): the next fencing number
 NEXT_FENCE = (
     "(SELECT CASE WHEN n.v >= n.epoch THEN n.v "
-    "ELSE setval('django_dlock_fence', n.epoch + n.v) END "
+    "WHEN has_sequence_privilege('django_dlock_fence', 'UPDATE') "
+    "THEN setval('django_dlock_fence', n.epoch + n.v) "
+    "ELSE n.epoch + n.v END "
     "FROM (SELECT nextval('django_dlock_fence') AS v, "
     f"({_TIMELINE} - 1) << {TIMELINE_SHIFT} AS epoch) AS n)"
 )
