@@ -191,7 +191,7 @@ def _raw_sequence(cluster: PrivateCluster) -> int:
 
 @pytest.mark.django_db(transaction=True, databases=["default", SYNC])
 def test_synchronous_replication_loses_no_lease(sync_pair, losses):
-    renewed = dlock.lock("sync:renewed", using=SYNC, ttl=9.0, renew=True)
+    renewed = dlock.lock("sync:renewed", using=SYNC, ttl=20.0, renew=True)
     assert renewed.acquire(timeout=0)
     renewer = renewed._holdings()[0].renewer
     assert renewer is not None
@@ -221,7 +221,7 @@ def test_synchronous_replication_loses_no_lease(sync_pair, losses):
         lk.extend()
     assert not any(_try(key, SYNC) for key in keys)
     before = renewer.renewals
-    wait_until(lambda: renewer.renewals >= before + 2, timeout=60)
+    wait_until(lambda: renewer.renewals > before, timeout=60)  # on the new primary
     assert not renewed.lost and renewed.owned()
     assert _try("sync:renewed", SYNC) is None
     assert [s["name"] for s in losses] == [advisory.name]
