@@ -21,6 +21,7 @@ not change, its connections drop and reconnect.
 * Advisory locks are not replicated at all: their holders learn the loss.
 * A leader whose leadership was lost with the old primary stops, and leads
   again in a higher term.
+* ``advisory_xact`` and ``row`` locks end with their transaction.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 from django.test import override_settings
 
 import django_dlock as dlock
@@ -52,6 +53,7 @@ pytestmark = [
 
 SYNC, ASYNC, LEADER = "failover_sync", "failover_async", "failover_leader"
 PLANNED = "failover_planned"
+XACT = "failover_xact"
 DATABASE = "dlock_failover"
 
 
@@ -129,6 +131,12 @@ def leader_pair(django_db_blocker):
 @pytest.fixture(scope="module")
 def planned_pair(django_db_blocker):
     with _pair(PLANNED, False, django_db_blocker) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def xact_pair(django_db_blocker):
+    with _pair(XACT, True, django_db_blocker) as pair:
         yield pair
 
 
@@ -384,3 +392,49 @@ def test_planned_switchover_keeps_every_lease_also_with_asynchronous_replication
     for lk in held:
         lk.release()
     assert _take("planned:0", PLANNED) > highest
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", XACT])
+def test_transaction_scoped_locks_end_with_the_transaction(xact_pair):
+    strategies = ["advisory_xact", "row"]
+    failed_over = threading.Event()
+    held = {strategy: threading.Event() for strategy in strategies}
+    errors: dict[str, BaseException] = {}
+
+    def holder(strategy: str) -> None:
+        try:
+            lock = dlock.lock(f"xact:{strategy}", using=XACT, strategy=strategy)
+            with transaction.atomic(using=XACT), lock:
+                held[strategy].set()
+                failed_over.wait(120)
+                with connections[XACT].cursor() as cur:
+                    cur.execute("SELECT 1")
+        except BaseException as exc:
+            errors[strategy] = exc
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=holder, args=(s,)) for s in strategies]
+    for thread in threads:
+        thread.start()
+    try:
+        for event in held.values():
+            assert event.wait(60)
+        xact_pair.fail_over()
+    finally:
+        failed_over.set()
+        for thread in threads:
+            thread.join(120)
+    # The transaction died with the old primary: the holder's next statement fails.
+    kinds = {strategy: type(error).__name__ for strategy, error in errors.items()}
+    assert kinds == dict.fromkeys(strategies, "OperationalError"), errors
+    # This thread's connection died too; Django drops it at the end of a request.
+    connections[XACT].close()
+
+    def take(strategy: str) -> bool:
+        with transaction.atomic(using=XACT):
+            lock = dlock.lock(f"xact:{strategy}", using=XACT, strategy=strategy)
+            return bool(lock.acquire(timeout=0))
+
+    for strategy in strategies:
+        assert in_thread(take, strategy), strategy
