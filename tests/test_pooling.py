@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import select
 import threading
+from collections.abc import Iterator
 
 import django
 import pytest
@@ -597,6 +599,122 @@ def test_pgbouncer_pool_held_by_transactions_with_a_direct_alias(bouncer, strate
 
     with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
         run_threads(work, [(i,) for i in range(4)])
+
+
+# -- PgBouncer with every server connection busy, no direct route ---------------------------
+
+TINY = "bouncer_tiny"  # transaction mode, 2 server connections, query_wait_timeout 30 s
+
+
+@pytest.fixture(scope="module")
+def tiny_bouncer(django_db_setup, django_db_blocker):
+    with (
+        django_db_blocker.unblock(),
+        pgbouncer.attached(
+            TINY, "transaction", pool_size=2, DISABLE_SERVER_SIDE_CURSORS=True
+        ) as running,
+    ):
+        yield running
+
+
+@contextlib.contextmanager
+def pool_held_busy(bouncer: pgbouncer.PgBouncer) -> Iterator[None]:
+    """Other clients hold every server connection of ``bouncer`` in open transactions."""
+    import psycopg
+
+    template = connections.settings["default"]
+    holders = []
+    try:
+        for _ in range(bouncer.pool_size):
+            holder = psycopg.connect(
+                host="127.0.0.1", port=bouncer.port, user=template["USER"], dbname=template["NAME"]
+            )
+            holder.execute("SELECT 1")  # BEGIN: the server connection is this client's now
+            holders.append(holder)
+        yield
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def _lease_insert_running() -> bool:
+    return bool(
+        query(
+            "SELECT 1 FROM pg_stat_activity WHERE state <> 'idle' AND pid <> pg_backend_pid() "
+            "AND query LIKE %s",
+            ["%INSERT INTO django_dlock_lock%"],
+        )
+    )
+
+
+def _lease_rows(name: str) -> list[tuple]:
+    return query("SELECT token FROM django_dlock_lock WHERE name = %s", [name])
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+@pytest.mark.parametrize("strategy", ["lease", "row", "advisory_xact"])
+def test_a_busy_pgbouncer_pool_is_a_lock_timeout_not_a_driver_error(tiny_bouncer, strategy):
+    # No direct route: the lock statement waits in PgBouncer's client queue
+    # (which ignores a cancel). At the lock's deadline it is given up: a
+    # LockTimeout (never PgBouncer's query_wait_timeout error 30 s later).
+    from django.db import transaction
+
+    key = f"tiny:{strategy}"
+    transactional = strategy != "lease"
+    if transactional:  # the caller's connection is open (its transaction begins lazily)
+        query_on(TINY, "SELECT 1")
+    with pool_held_busy(tiny_bouncer):
+        with pytest.raises(dlock.LockTimeout), contextlib.ExitStack() as stack:
+            if transactional:
+                stack.enter_context(transaction.atomic(using=TINY))
+            stack.enter_context(dlock.lock(key, strategy=strategy, using=TINY, timeout=1))
+        if not transactional:  # acquire() says False, as for any timeout
+            assert dlock.lock(key, strategy=strategy, using=TINY, timeout=0).acquire() is False
+    # Nothing was taken for the caller who gave up, and the key works again.
+    assert _lease_rows(f"lock:{key}") == []
+    assert in_thread(_lock_once_on, TINY, key, strategy) is True
+
+
+def _lock_once_on(alias: str, key: str, strategy: str) -> bool:
+    from django.db import transaction
+
+    try:
+        with (
+            transaction.atomic(using=alias),
+            dlock.lock(key, strategy=strategy, using=alias, timeout=10),
+        ):
+            return True
+    finally:
+        connections.close_all()
+        close_private_connections()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+def test_a_lease_statement_given_up_on_the_server_never_commits_later(tiny_bouncer):
+    # The lease INSERT reaches a server but waits there (another transaction
+    # holds the expired lease's row) past the deadline. It is given up, and
+    # when the row is free again no lease was taken for the caller.
+    key, name = "tiny:late", "lock:tiny:late"
+    with connections["default"].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+            "VALUES (%s, 'someone', 'someone', 1, now(), now()) "
+            "ON CONFLICT (name) DO UPDATE SET token = 'someone', expire_at = now()",
+            [name],
+        )
+    blocker = connections.create_connection("default")
+    try:
+        blocker.set_autocommit(False)
+        with blocker.cursor() as cur:
+            cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+        assert dlock.lock(key, using=TINY, timeout=1).acquire() is False
+    finally:
+        blocker.rollback()
+        blocker.close()
+    # (a statement that went on running would have taken the row by now)
+    wait_until(lambda: not _lease_insert_running())
+    assert _lease_rows(name) == [("someone",)]  # still expired, never ours
+    assert in_thread(_lock_once_on, TINY, key, "lease") is True
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
@@ -13,6 +20,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import LockTimeout
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
@@ -181,6 +189,7 @@ def _private_connection(alias: str) -> BaseDatabaseWrapper:
     source = connections[direct_alias(alias)]
     private = source.copy(alias)
     private.settings_dict.setdefault("OPTIONS", {}).pop("pool", None)
+    guard_statements(private)
     return private
 
 
@@ -198,19 +207,27 @@ def behind_pooler(connection: BaseDatabaseWrapper) -> bool:
     """
     if connection.vendor != "postgresql":
         return False
-    settings = connection.settings_dict
-    key = tuple(settings.get(name) for name in ("HOST", "PORT", "NAME", "USER"))
+    key = _pooler_key(connection)
     found = _behind_pooler.get(key)
     if found is None:
         connection.ensure_connection()
         raw = connection.connection
-        with connection.wrap_database_errors, raw.cursor() as cur:
-            cur.execute("SELECT pg_backend_pid()")
-            row = cur.fetchone()
+
+        def backend_pid() -> Any:
+            with connection.wrap_database_errors, raw.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                return cur.fetchone()
+
+        row = _watched(connection, backend_pid)  # it may wait in the pooler's queue
         found = row is not None and int(row[0]) != raw.info.backend_pid
         with _pooler_mutex:
             _behind_pooler[key] = found
     return found
+
+
+def _pooler_key(connection: BaseDatabaseWrapper) -> tuple[Any, ...]:
+    settings = connection.settings_dict
+    return tuple(settings.get(name) for name in ("HOST", "PORT", "NAME", "USER"))
 
 
 def require_postgresql(strategy: str, connection: BaseDatabaseWrapper) -> None:
@@ -270,7 +287,9 @@ def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[
     return op(lock_connection(alias)), True
 
 
-def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tuple[Any, int]:
+def execute(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool = False
+) -> tuple[Any, int]:
     """Run one statement; return ``(its first row or None, its row count)``.
 
     On PostgreSQL the statement runs as a server-side prepared statement on
@@ -283,6 +302,13 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tup
     (:func:`behind_pooler`): a pooler in transaction mode hands the server
     session to other clients between statements, so a statement prepared on
     it would be missing, or already there, for the next one.
+
+    ``takes_lock``: the statement takes a lock when it commits (a lease
+    acquire). Through a pooler, while an acquire's deadline is watched (see
+    :func:`statement_deadline`), it then runs in a transaction of its own,
+    committed only once its result is back in time: a statement given up at
+    the deadline is rolled back with its closed connection, so a lease can
+    never be taken for a caller that already gave up.
     """
     if (
         connection.vendor == "postgresql"
@@ -292,8 +318,33 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tup
     ):
         return _execute_prepared(connection, sql, params)
     with cursor(connection) as cur:
+        if not (
+            takes_lock
+            and _deadline.get() is not None
+            and not connection.in_atomic_block
+            and behind_pooler(connection)
+        ):
+            cur.execute(sql, params)
+            return (cur.fetchone() if cur.description else None), cur.rowcount
+        return _in_own_transaction(connection, cur, sql, params)
+
+
+def _in_own_transaction(
+    connection: BaseDatabaseWrapper, cur: CursorWrapper, sql: str, params: list[Any]
+) -> tuple[Any, int]:
+    """``sql`` between BEGIN and a COMMIT that is never given up half-way."""
+    cur.execute("BEGIN")  # (this is the statement that waits for a server)
+    try:
         cur.execute(sql, params)
-        return (cur.fetchone() if cur.description else None), cur.rowcount
+        found = (cur.fetchone() if cur.description else None), cur.rowcount
+    except BaseException:
+        if connection.connection is not None:  # not closed (given up): end the transaction
+            with unwatched(), contextlib.suppress(DatabaseError):
+                cur.execute("ROLLBACK")
+        raise
+    with unwatched():
+        cur.execute("COMMIT")
+    return found
 
 
 #: a preparation threshold no query reaches by repetition alone
@@ -330,6 +381,193 @@ def _execute_prepared(
         raise
 
 
-def fetch_one(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Any:
+def fetch_one(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool = False
+) -> Any:
     """The first row of ``sql`` (or ``None``), see :func:`execute`."""
-    return execute(connection, sql, params)[0]
+    return execute(connection, sql, params, takes_lock)[0]
+
+
+# -- a client-side deadline for lock statements sent through a pooler ----------------------
+#
+# PgBouncer in transaction mode queues a statement until one of its server
+# connections is free, up to its ``query_wait_timeout`` (minutes by default),
+# and ignores a cancel request for a client that waits in that queue
+# (PgBouncer 1.18 logs "cancel request for idle client"). So while an acquire
+# runs, each statement sent through a pooler is watched: at the lock's
+# deadline it is cancelled (which stops it if it already runs on a server),
+# then its socket is shut down (which ends the wait in the queue). The
+# statement fails, the connection is closed (the next statement reconnects)
+# and the acquire reports a timeout. ``timeout=None`` is never watched.
+
+
+class Abandoned(LockTimeout):
+    """A lock statement was given up at the lock's deadline; its connection is closed.
+
+    Raised while waiting for a pooler (PgBouncer's client queue) that has no
+    free server connection. Lock acquisitions turn it into their usual
+    timeout (``acquire()`` returns ``False``, ``with`` raises
+    :class:`~django_dlock.LockTimeout`).
+    """
+
+
+#: the least time a watched statement gets, also when the deadline is (nearly) past:
+#: a try-once (``timeout=0``) still has time for one round trip through the pooler
+STATEMENT_FLOOR = 0.5
+
+_deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
+
+
+@contextmanager
+def statement_deadline(deadline: Deadline, alias: str) -> Iterator[None]:
+    """Watch the lock statements of ``alias`` sent through a pooler until ``deadline``.
+
+    Used around a strategy's ``acquire``; a deadline of ``None`` (wait
+    forever) watches nothing.
+    """
+    if deadline.timeout is None:
+        yield
+        return
+    guard_statements(connections[alias])
+    token = _deadline.set(deadline.end)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """Statements in this block are not watched (a COMMIT must not be cut in two)."""
+    token = _deadline.set(None)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def guard_statements(connection: BaseDatabaseWrapper) -> None:
+    """Install the statement watch on ``connection`` (PostgreSQL; once).
+
+    Django's own statements when it connects (it sets the session's time
+    zone) are watched too: they wait in the pooler's queue like any other.
+    """
+    if connection.vendor == "postgresql" and _watch_statement not in connection.execute_wrappers:
+        connection.execute_wrappers.append(_watch_statement)
+        init = connection.init_connection_state
+
+        def init_connection_state() -> None:
+            if _deadline.get() is None or _behind_pooler.get(_pooler_key(connection)) is False:
+                init()
+            else:
+                _watched(connection, init)
+
+        connection.init_connection_state = init_connection_state  # type: ignore[method-assign]
+
+
+@dataclass(eq=False)
+class _Watch:
+    raw: Any
+    at: float
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    fired: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class _Watchdog:
+    """One daemon thread that fires the watches whose time has come."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.heap: list[tuple[float, int, _Watch]] = []
+        self.seq = itertools.count()
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+
+    def add(self, watch: _Watch) -> None:
+        with self.cond:
+            if self.thread is None or self.pid != os.getpid():  # none yet, or forked
+                self.heap.clear()
+                self.pid = os.getpid()
+                self.thread = threading.Thread(
+                    target=self._run, name="django-dlock-statement-watch", daemon=True
+                )
+                self.thread.start()
+            heapq.heappush(self.heap, (watch.at, next(self.seq), watch))
+            if self.heap[0][2] is watch:
+                self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.heap or self.heap[0][0] > time.monotonic():
+                    if self.heap:
+                        self.heap = [entry for entry in self.heap if not entry[2].done]
+                        heapq.heapify(self.heap)
+                    self.cond.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
+                _, _, watch = heapq.heappop(self.heap)
+            _fire(watch)
+
+
+_watchdog = _Watchdog()
+
+
+def _fire(watch: _Watch) -> None:
+    with watch.mutex:
+        if watch.done:
+            return
+        watch.fired = True
+    try:
+        # Stops the statement if it runs on a server (PgBouncer forwards the
+        # cancel); a client still in PgBouncer's queue is not cancelled...
+        with contextlib.suppress(Exception):
+            watch.raw.cancel()
+        # ...so end its wait: the blocked read returns, the statement fails.
+        # (The statement's thread waits for ``finished`` before it closes the
+        # connection, so the descriptor is still this connection's.)
+        with contextlib.suppress(Exception):
+            sock = socket.socket(fileno=os.dup(watch.raw.fileno()))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+    finally:
+        watch.finished.set()
+
+
+def _watch_statement(
+    execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    connection: BaseDatabaseWrapper = context["connection"]
+    if _deadline.get() is None or not behind_pooler(connection):
+        return execute(sql, params, many, context)
+    return _watched(connection, lambda: execute(sql, params, many, context))
+
+
+def _watched(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
+    """``run()`` (one statement on ``connection``), given up at the current deadline."""
+    end = _deadline.get()
+    raw = connection.connection
+    if end is None or raw is None:
+        return run()
+    watch = _Watch(raw, max(end, time.monotonic() + STATEMENT_FLOOR))
+    _watchdog.add(watch)
+    error: BaseException | None = None
+    try:
+        result = run()
+    except BaseException as exc:
+        error = exc
+    with watch.mutex:
+        watch.done = True
+        fired = watch.fired
+    if fired:
+        watch.finished.wait()
+        connection.close()
+        raise Abandoned(
+            "a lock statement waited past the lock's deadline for a server connection "
+            "of the connection pooler (its pool is busy); its connection was closed"
+        ) from error
+    if error is not None:
+        raise error
+    return result
