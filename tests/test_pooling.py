@@ -675,6 +675,42 @@ def test_a_busy_pgbouncer_pool_is_a_lock_timeout_not_a_driver_error(tiny_bouncer
     assert in_thread(_lock_once_on, TINY, key, strategy) is True
 
 
+@needs_django_pool
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+@pytest.mark.parametrize("strategy", ["lease", "row"])
+def test_djangos_pool_behind_a_busy_pgbouncer_is_a_lock_timeout(tiny_bouncer, strategy):
+    # Django's pool in front of PgBouncer: the caller's pooled connection is
+    # open, every PgBouncer server connection is busy. The same guarantee:
+    # a LockTimeout, and the given-up connection never goes back to the pool.
+    from django.db import transaction
+
+    wrapper = connections[TINY]
+    options = wrapper.settings_dict["OPTIONS"]
+    wrapper.close()
+    options["pool"] = {"min_size": 1, "max_size": 2, "timeout": 20}
+    key = f"tiny:pool:{strategy}"
+    try:
+        query_on(TINY, "SELECT 1")  # a connection of Django's pool, open
+        with (
+            pool_held_busy(tiny_bouncer),
+            pytest.raises(dlock.LockTimeout),
+            contextlib.ExitStack() as stack,
+        ):
+            if strategy == "row":
+                stack.enter_context(transaction.atomic(using=TINY))
+            stack.enter_context(dlock.lock(key, strategy=strategy, using=TINY, timeout=1))
+        assert _lease_rows(f"lock:{key}") == []
+        connections[TINY].close()
+        for _ in range(3):  # what Django's pool hands out works
+            assert query_on(TINY, "SELECT 1") == [(1,)]
+            connections[TINY].close()
+        assert in_thread(_lock_once_on, TINY, key, strategy) is True
+    finally:
+        connections.close_all()
+        wrapper.close_pool()
+        del options["pool"]
+
+
 def _lock_once_on(alias: str, key: str, strategy: str) -> bool:
     from django.db import transaction
 

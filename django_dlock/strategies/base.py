@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
 from django.db.backends.utils import CursorWrapper
 
 from django_dlock.conf import RetryInterval
@@ -418,22 +419,28 @@ STATEMENT_FLOOR = 0.5
 _deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
 
 
-@contextmanager
-def statement_deadline(deadline: Deadline, alias: str) -> Iterator[None]:
-    """Watch the lock statements of ``alias`` sent through a pooler until ``deadline``.
+class statement_deadline:  # noqa: N801 (used like a function: ``with statement_deadline(...)``)
+    """Watch the lock statements sent through a pooler until ``deadline``.
 
-    Used around a strategy's ``acquire``; a deadline of ``None`` (wait
-    forever) watches nothing.
+    Used around a strategy's ``acquire`` on ``alias``; a deadline of ``None``
+    (wait forever) watches nothing.
     """
-    if deadline.timeout is None:
-        yield
-        return
-    guard_statements(connections[alias])
-    token = _deadline.set(deadline.end)
-    try:
-        yield
-    finally:
-        _deadline.reset(token)
+
+    __slots__ = ("end", "alias", "token")
+
+    def __init__(self, deadline: Deadline, alias: str) -> None:
+        self.end = None if deadline.timeout is None else deadline.end
+        self.alias = alias
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        if self.end is not None:
+            guard_statements(connections[self.alias])
+            self.token = _deadline.set(self.end)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _deadline.reset(self.token)
 
 
 @contextmanager
@@ -446,14 +453,21 @@ def unwatched() -> Iterator[None]:
         _deadline.reset(token)
 
 
-def guard_statements(connection: BaseDatabaseWrapper) -> None:
+def guard_statements(connection: BaseDatabaseWrapper, **_: Any) -> None:
     """Install the statement watch on ``connection`` (PostgreSQL; once).
 
-    Django's own statements when it connects (it sets the session's time
-    zone) are watched too: they wait in the pooler's queue like any other.
+    Installed on every PostgreSQL connection when it connects (and on one
+    that was open before, when a lock is acquired on it); it takes itself
+    off a connection found to reach the server directly. Django's own
+    statements when it connects (it sets the session's time zone) are
+    watched too: they wait in the pooler's queue like any other.
     """
-    if connection.vendor == "postgresql" and _watch_statement not in connection.execute_wrappers:
-        connection.execute_wrappers.append(_watch_statement)
+    if (
+        connection.vendor == "postgresql"
+        and _watch_statement not in connection.execute_wrappers
+        and _behind_pooler.get(_pooler_key(connection)) is not False
+    ):
+        connection.execute_wrappers.insert(0, _watch_statement)  # pop() of others keeps it
         init = connection.init_connection_state
 
         def init_connection_state() -> None:
@@ -540,9 +554,16 @@ def _watch_statement(
     execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
 ) -> Any:
     connection: BaseDatabaseWrapper = context["connection"]
-    if _deadline.get() is None or not behind_pooler(connection):
+    if _deadline.get() is None:
+        return execute(sql, params, many, context)
+    if not behind_pooler(connection):  # a direct connection: never watched
+        with contextlib.suppress(ValueError):
+            connection.execute_wrappers.remove(_watch_statement)
         return execute(sql, params, many, context)
     return _watched(connection, lambda: execute(sql, params, many, context))
+
+
+connection_created.connect(guard_statements, dispatch_uid="django_dlock_guard_statements")
 
 
 def _watched(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
