@@ -30,7 +30,7 @@ from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 from django_dlock.strategies.support import database_messages
 
-from . import pgbouncer
+from . import pgbouncer, procs
 from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -191,6 +191,47 @@ def django_pool():
 
 def _django_backend_pid() -> int:
     return int(query("SELECT pg_backend_pid()")[0][0])
+
+
+def _row_lock_creating_its_row(key: str) -> int:
+    """In a transaction, row-lock a key whose row does not exist yet; the side
+    connection's backend pid (it created the row)."""
+    from django.db import transaction
+
+    from django_dlock.strategies.base import lock_connection
+
+    try:
+        with transaction.atomic(), dlock.lock(key, strategy="row", timeout=5):
+            side = lock_connection("default")  # the thread's private connection
+            assert side is not connections["default"]
+            return int(side.connection.info.backend_pid)
+    finally:
+        connections["default"].close()
+
+
+def test_a_threads_private_connection_is_closed_when_the_thread_ends():
+    # The row strategy creates a missing key row on the thread's private
+    # connection. When the thread ends, that connection is closed at once
+    # (the garbage collector, off here, is not what closes it).
+    gc.collect()
+    gc.disable()
+    try:
+        pid = in_thread(_row_lock_creating_its_row, "private:closed")
+        wait_until(lambda: not query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
+    finally:
+        gc.enable()
+
+
+def test_close_private_connections_closes_the_side_connection():
+    def lock_then_close() -> int:
+        pid = _row_lock_creating_its_row("private:explicit")
+        alive = query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid])
+        close_private_connections()
+        return pid if alive else -1
+
+    pid = in_thread(lock_then_close)
+    assert pid > 0  # it was open until close_private_connections()
+    wait_until(lambda: not query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
 
 
 @needs_django_pool
@@ -413,6 +454,49 @@ def _write_something() -> None:
     from django_dlock.models import FenceFloor
 
     FenceFloor.objects.using(SQLITE).update_or_create(id=1, defaults={"value": 0})
+
+
+def _hold_sqlite_write(path: str, holding, done) -> None:
+    """In another process: hold SQLite's write lock until ``done`` is set."""
+    import sqlite3
+
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")  # the write lock, held
+        holding.set()
+        done.wait(120)
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SQLITE])
+def test_sqlite_a_busy_database_is_contention_not_an_outage():
+    # Another process holds SQLite's write lock longer than the lock's
+    # timeout: the lease waiter meets "database is locked" (after SQLite's
+    # 30 s busy timeout, without care). It is not acquired this round:
+    # the waiter retries within its timeout and then times out as usual.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    holding, done = ctx.Event(), ctx.Event()
+    path = connections[SQLITE].settings_dict["NAME"]
+    child = procs.start(_hold_sqlite_write, path, holding, done)
+    try:
+        assert holding.wait(60)
+        with pytest.raises(dlock.LockTimeout), dlock.lock("busy", using=SQLITE, timeout=1):
+            pass  # (never OperationalError)
+        assert dlock.lock("busy", using=SQLITE, timeout=0).acquire() is False
+        # The writer finishes while a waiter waits: the waiter gets the lock.
+        waiter = threading.Timer(0.3, done.set)
+        waiter.start()
+        with dlock.lock("busy", using=SQLITE, timeout=30):
+            pass
+        waiter.join()
+    finally:
+        done.set()
+        child.join(60)
+    assert child.exitcode == 0
 
 
 def test_sqlite_lock_after_a_write_in_the_callers_transaction():

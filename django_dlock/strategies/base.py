@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -162,10 +163,27 @@ def _sqlite_try_write(connection: BaseDatabaseWrapper, sql: str, end: str | None
     return True
 
 
+class _ThreadEnd:
+    """Kept in a thread's local data: when the thread ends, it goes, and with it
+    that thread's private connections are closed (never left to the garbage
+    collector: a Django connection is full of reference cycles)."""
+
+
+def _close_when_thread_ends(cache: dict[str, BaseDatabaseWrapper]) -> None:
+    for private in list(cache.values()):
+        raw = private.connection  # (its thread is gone: nobody else uses it)
+        if raw is not None:
+            with contextlib.suppress(Exception):
+                raw.close()
+    cache.clear()
+
+
 def _thread_private(alias: str) -> BaseDatabaseWrapper:
     cache: dict[str, BaseDatabaseWrapper] | None = getattr(_private, "connections", None)
     if cache is None:
         cache = _private.connections = {}
+        _private.end = _ThreadEnd()
+        weakref.finalize(_private.end, _close_when_thread_ends, cache)
     private = cache.get(alias)
     if private is None:
         private = _private_connection(alias)
@@ -318,6 +336,8 @@ def execute(
         and not behind_pooler(connection)
     ):
         return _execute_prepared(connection, sql, params)
+    if connection.vendor == "sqlite" and _deadline.get() is not None:
+        return _sqlite_within_deadline(connection, sql, params)
     with cursor(connection) as cur:
         if not (
             takes_lock
@@ -328,6 +348,42 @@ def execute(
             cur.execute(sql, params)
             return (cur.fetchone() if cur.description else None), cur.rowcount
         return _in_own_transaction(connection, cur, sql, params)
+
+
+def _sqlite_within_deadline(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any]
+) -> tuple[Any, int]:
+    """A statement of an acquire on SQLite: another writer is contention, not an outage.
+
+    SQLite lets one connection write at a time; another one waits up to its
+    busy timeout (the ``timeout`` option, 5 s by default) and then fails with
+    "database is locked". While a lock is being acquired, the statement
+    waits at most until the lock's deadline, and a database that stays
+    locked means "not acquired this round" (no row): the waiter looks again
+    within its timeout, and times out as usual.
+    """
+    if connection.in_atomic_block:  # the caller's transaction: its own busy handling
+        with cursor(connection) as cur:
+            cur.execute(sql, params)
+            return (cur.fetchone() if cur.description else None), cur.rowcount
+    end = _deadline.get()
+    assert end is not None
+    connection.ensure_connection()
+    raw = connection.connection
+    (saved,) = raw.execute("PRAGMA busy_timeout").fetchone()
+    wait_ms = min(int(saved), max(0, int((end - time.monotonic()) * 1000)))
+    raw.execute(f"PRAGMA busy_timeout = {wait_ms}")
+    try:
+        with cursor(connection) as cur:
+            cur.execute(sql, params)
+            return (cur.fetchone() if cur.description else None), cur.rowcount
+    except OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return None, 0
+        raise
+    finally:
+        if connection.connection is raw:
+            raw.execute(f"PRAGMA busy_timeout = {int(saved)}")
 
 
 def _in_own_transaction(
