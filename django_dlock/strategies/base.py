@@ -241,6 +241,9 @@ def behind_pooler(connection: BaseDatabaseWrapper) -> bool:
         found = row is not None and int(row[0]) != raw.info.backend_pid
         with _pooler_mutex:
             _behind_pooler[key] = found
+        if not found:  # a direct connection: its statements need no watch
+            with contextlib.suppress(ValueError):
+                connection.execute_wrappers.remove(_watch_statement)
     return found
 
 
@@ -638,6 +641,8 @@ def _watched(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
     with watch.mutex:
         watch.done = True
         fired = watch.fired
+        if not fired:
+            watch.raw = None  # (the watch may stay queued until its time: hold nothing)
     if fired:
         watch.finished.wait()
         connection.close()
