@@ -731,7 +731,7 @@ def _lease_insert_running() -> bool:
     )
 
 
-def _lease_rows(name: str) -> list[tuple]:
+def _lease_rows(name: str) -> list[tuple[str]]:
     return query("SELECT token FROM django_dlock_lock WHERE name = %s", [name])
 
 
@@ -759,6 +759,21 @@ def test_a_busy_pgbouncer_pool_is_a_lock_timeout_not_a_driver_error(tiny_bouncer
     assert in_thread(_lock_once_on, TINY, key, strategy) is True
 
 
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+def test_an_async_acquire_behind_a_busy_pgbouncer_times_out(tiny_bouncer):
+    # The async path runs its statements in worker threads: they are
+    # watched all the same.
+    import asyncio
+
+    async def attempt() -> bool:
+        return await dlock.lock("tiny:async", using=TINY, timeout=1).aacquire()
+
+    with pool_held_busy(tiny_bouncer):
+        assert asyncio.run(attempt()) is False
+    assert _lease_rows("lock:tiny:async") == []
+    assert in_thread(_lock_once_on, TINY, "tiny:async", "lease") is True
+
+
 @needs_django_pool
 @pytest.mark.django_db(transaction=True, databases=["default", TINY])
 @pytest.mark.parametrize("strategy", ["lease", "row"])
@@ -769,9 +784,10 @@ def test_djangos_pool_behind_a_busy_pgbouncer_is_a_lock_timeout(tiny_bouncer, st
     from django.db import transaction
 
     wrapper = connections[TINY]
-    options = wrapper.settings_dict["OPTIONS"]
+    settings = wrapper.settings_dict  # (shared by every thread's wrapper of the alias)
+    options = settings["OPTIONS"]  # (shared with "default", whose copy this alias is)
     wrapper.close()
-    options["pool"] = {"min_size": 1, "max_size": 2, "timeout": 20}
+    settings["OPTIONS"] = {**options, "pool": {"min_size": 1, "max_size": 2, "timeout": 20}}
     key = f"tiny:pool:{strategy}"
     try:
         query_on(TINY, "SELECT 1")  # a connection of Django's pool, open
@@ -792,7 +808,7 @@ def test_djangos_pool_behind_a_busy_pgbouncer_is_a_lock_timeout(tiny_bouncer, st
     finally:
         connections.close_all()
         wrapper.close_pool()
-        del options["pool"]
+        settings["OPTIONS"] = options
 
 
 def _lock_once_on(alias: str, key: str, strategy: str) -> bool:

@@ -112,6 +112,8 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
       like on the other databases (:func:`_sqlite_caller_writes`).
     """
     connection = connections[alias]
+    if _deadline.get() is not None:  # (a worker thread's connection of an async acquire)
+        guard_statements(connection)
     if not connection.in_atomic_block:
         if connection.connection is not None or not uses_django_pool(connection):
             return connection
