@@ -148,7 +148,7 @@ def check_poolers(**kwargs: Any) -> list[CheckMessage]:
                     "DLOCK_DIRECT_DATABASES names no direct route to it. In transaction mode "
                     "LISTEN cannot hear releases (lease waiters poll at the retry interval), "
                     "and a lock taken inside a transaction needs a server connection beside "
-                    "the ones transactions hold.",
+                    "the ones transactions hold (without one it times out).",
                     hint=f"Add an alias that connects to PostgreSQL directly and set "
                     f'DLOCK_DIRECT_DATABASES = {{{alias!r}: "<that alias>"}}, or size the '
                     "pooler's pool above the number of concurrent transactions that lock.",

@@ -66,7 +66,7 @@ from django_dlock.keys import Key, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy
-from django_dlock.strategies.base import Request, Strategy
+from django_dlock.strategies.base import Abandoned, Request, Strategy, statement_deadline
 
 __all__ = ["Lock", "lock"]
 
@@ -705,7 +705,11 @@ class Lock:
                 if not self._reenter(holder, alias, strategy, key):
                     req = self._request(holder, alias, key)
                     sent_at = time.monotonic()
-                    grant = strategy.acquire(req, deadline, self.retry_interval)
+                    try:
+                        with statement_deadline(deadline, alias):
+                            grant = strategy.acquire(req, deadline, self.retry_interval)
+                    except Abandoned:  # waited past the deadline for a pooler
+                        grant = None
                     if grant is None:
                         self._undo(holder, alias, strategy, taken)
                         self._contended(key, deadline)
@@ -741,7 +745,11 @@ class Lock:
                 if not self._reenter(holder, alias, strategy, key):
                     req = self._request(holder, alias, key)
                     sent_at = time.monotonic()
-                    grant = await strategy.aacquire(req, deadline, self.retry_interval)
+                    try:
+                        with statement_deadline(deadline, alias):
+                            grant = await strategy.aacquire(req, deadline, self.retry_interval)
+                    except Abandoned:  # waited past the deadline for a pooler
+                        grant = None
                     if grant is None:
                         undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
                         await _to_the_end(undo, f"giving back {self.name!r}")

@@ -381,6 +381,9 @@ class Pool:
         self.retired = False
         #: why this database cannot carry session locks (a transaction-mode pooler), if it cannot
         self.refused: str | None = None
+        #: one pooler probe at a time: two probes at once can read each
+        #: other's server sessions as "this one kept its session"
+        self.probing = threading.Lock()
 
     def session_for(self, token: str, holder: Callable[[], Holder | None]) -> Session:
         """The holder's session: its current one, a pooled one, or a new one."""
@@ -430,7 +433,7 @@ class Pool:
             row = conn.execute(sql).fetchone()
             assert row is not None
             pid = int(row[0])
-            if conn.info.backend_pid != pid and _lends_server_sessions(self.alias, conn, pid):
+            if conn.info.backend_pid != pid and self._lends(conn):
                 self.refused = (
                     f"the database {self.alias!r} is reached through a pooler in transaction "
                     "mode (such as PgBouncer), which lends a server session to other clients "
@@ -444,6 +447,22 @@ class Pool:
                 conn.close()
             raise
         return Session(self, conn, pid)
+
+    def _lends(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the pooler lends server sessions: probed one at a time, a few times.
+
+        In session mode every probe says no; in transaction mode a probe can
+        miss (another client's statement took the server session it looked
+        at), never the other way round: so one "yes" decides.
+        """
+        with self.probing:
+            for _ in range(PROBES):
+                if self.refused is not None:
+                    return True
+                row = conn.execute("SELECT pg_backend_pid()").fetchone()
+                if row is None or _lends_server_sessions(self.alias, conn, int(row[0])):
+                    return True
+        return False
 
     def find(self, token: str) -> Session | None:
         return self.by_token.get(token)
@@ -495,6 +514,8 @@ class Pool:
 
 #: seconds a pooler probe waits for its session's answer while another client holds a transaction
 PROBE_WAIT = 1.0
+#: pooler probes before a pooler is taken to keep server sessions (session mode)
+PROBES = 3
 
 
 def _lends_server_sessions(alias: str, conn: psycopg.Connection[Any], pid: int) -> bool:

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import select
 import threading
+from collections.abc import Iterator
 
 import django
 import pytest
@@ -28,7 +30,7 @@ from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 from django_dlock.strategies.support import database_messages
 
-from . import pgbouncer
+from . import pgbouncer, procs
 from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
@@ -189,6 +191,47 @@ def django_pool():
 
 def _django_backend_pid() -> int:
     return int(query("SELECT pg_backend_pid()")[0][0])
+
+
+def _row_lock_creating_its_row(key: str) -> int:
+    """In a transaction, row-lock a key whose row does not exist yet; the side
+    connection's backend pid (it created the row)."""
+    from django.db import transaction
+
+    from django_dlock.strategies.base import lock_connection
+
+    try:
+        with transaction.atomic(), dlock.lock(key, strategy="row", timeout=5):
+            side = lock_connection("default")  # the thread's private connection
+            assert side is not connections["default"]
+            return int(side.connection.info.backend_pid)
+    finally:
+        connections["default"].close()
+
+
+def test_a_threads_private_connection_is_closed_when_the_thread_ends():
+    # The row strategy creates a missing key row on the thread's private
+    # connection. When the thread ends, that connection is closed at once
+    # (the garbage collector, off here, is not what closes it).
+    gc.collect()
+    gc.disable()
+    try:
+        pid = in_thread(_row_lock_creating_its_row, "private:closed")
+        wait_until(lambda: not query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
+    finally:
+        gc.enable()
+
+
+def test_close_private_connections_closes_the_side_connection():
+    def lock_then_close() -> int:
+        pid = _row_lock_creating_its_row("private:explicit")
+        alive = query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid])
+        close_private_connections()
+        return pid if alive else -1
+
+    pid = in_thread(lock_then_close)
+    assert pid > 0  # it was open until close_private_connections()
+    wait_until(lambda: not query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
 
 
 @needs_django_pool
@@ -413,6 +456,49 @@ def _write_something() -> None:
     FenceFloor.objects.using(SQLITE).update_or_create(id=1, defaults={"value": 0})
 
 
+def _hold_sqlite_write(path: str, holding, done) -> None:
+    """In another process: hold SQLite's write lock until ``done`` is set."""
+    import sqlite3
+
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")  # the write lock, held
+        holding.set()
+        done.wait(120)
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", SQLITE])
+def test_sqlite_a_busy_database_is_contention_not_an_outage():
+    # Another process holds SQLite's write lock longer than the lock's
+    # timeout: the lease waiter meets "database is locked" (after SQLite's
+    # 30 s busy timeout, without care). It is not acquired this round:
+    # the waiter retries within its timeout and then times out as usual.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    holding, done = ctx.Event(), ctx.Event()
+    path = connections[SQLITE].settings_dict["NAME"]
+    child = procs.start(_hold_sqlite_write, path, holding, done)
+    try:
+        assert holding.wait(60)
+        with pytest.raises(dlock.LockTimeout), dlock.lock("busy", using=SQLITE, timeout=1):
+            pass  # (never OperationalError)
+        assert dlock.lock("busy", using=SQLITE, timeout=0).acquire() is False
+        # The writer finishes while a waiter waits: the waiter gets the lock.
+        waiter = threading.Timer(0.3, done.set)
+        waiter.start()
+        with dlock.lock("busy", using=SQLITE, timeout=30):
+            pass
+        waiter.join()
+    finally:
+        done.set()
+        child.join(60)
+    assert child.exitcode == 0
+
+
 def test_sqlite_lock_after_a_write_in_the_callers_transaction():
     from django.db import transaction
 
@@ -597,6 +683,174 @@ def test_pgbouncer_pool_held_by_transactions_with_a_direct_alias(bouncer, strate
 
     with override_settings(DLOCK_DIRECT_DATABASES={BOUNCER: "default"}):
         run_threads(work, [(i,) for i in range(4)])
+
+
+# -- PgBouncer with every server connection busy, no direct route ---------------------------
+
+TINY = "bouncer_tiny"  # transaction mode, 2 server connections, query_wait_timeout 30 s
+
+
+@pytest.fixture(scope="module")
+def tiny_bouncer(django_db_setup, django_db_blocker):
+    with (
+        django_db_blocker.unblock(),
+        pgbouncer.attached(
+            TINY, "transaction", pool_size=2, DISABLE_SERVER_SIDE_CURSORS=True
+        ) as running,
+    ):
+        yield running
+
+
+@contextlib.contextmanager
+def pool_held_busy(bouncer: pgbouncer.PgBouncer) -> Iterator[None]:
+    """Other clients hold every server connection of ``bouncer`` in open transactions."""
+    import psycopg
+
+    template = connections.settings["default"]
+    holders = []
+    try:
+        for _ in range(bouncer.pool_size):
+            holder = psycopg.connect(
+                host="127.0.0.1", port=bouncer.port, user=template["USER"], dbname=template["NAME"]
+            )
+            holder.execute("SELECT 1")  # BEGIN: the server connection is this client's now
+            holders.append(holder)
+        yield
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def _lease_insert_running() -> bool:
+    return bool(
+        query(
+            "SELECT 1 FROM pg_stat_activity WHERE state <> 'idle' AND pid <> pg_backend_pid() "
+            "AND query LIKE %s",
+            ["%INSERT INTO django_dlock_lock%"],
+        )
+    )
+
+
+def _lease_rows(name: str) -> list[tuple[str]]:
+    return query("SELECT token FROM django_dlock_lock WHERE name = %s", [name])
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+@pytest.mark.parametrize("strategy", ["lease", "row", "advisory_xact"])
+def test_a_busy_pgbouncer_pool_is_a_lock_timeout_not_a_driver_error(tiny_bouncer, strategy):
+    # No direct route: the lock statement waits in PgBouncer's client queue
+    # (which ignores a cancel). At the lock's deadline it is given up: a
+    # LockTimeout (never PgBouncer's query_wait_timeout error 30 s later).
+    from django.db import transaction
+
+    key = f"tiny:{strategy}"
+    transactional = strategy != "lease"
+    if transactional:  # the caller's connection is open (its transaction begins lazily)
+        query_on(TINY, "SELECT 1")
+    with pool_held_busy(tiny_bouncer):
+        with pytest.raises(dlock.LockTimeout), contextlib.ExitStack() as stack:
+            if transactional:
+                stack.enter_context(transaction.atomic(using=TINY))
+            stack.enter_context(dlock.lock(key, strategy=strategy, using=TINY, timeout=1))
+        if not transactional:  # acquire() says False, as for any timeout
+            assert dlock.lock(key, strategy=strategy, using=TINY, timeout=0).acquire() is False
+    # Nothing was taken for the caller who gave up, and the key works again.
+    assert _lease_rows(f"lock:{key}") == []
+    assert in_thread(_lock_once_on, TINY, key, strategy) is True
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+def test_an_async_acquire_behind_a_busy_pgbouncer_times_out(tiny_bouncer):
+    # The async path runs its statements in worker threads: they are
+    # watched all the same.
+    import asyncio
+
+    async def attempt() -> bool:
+        return await dlock.lock("tiny:async", using=TINY, timeout=1).aacquire()
+
+    with pool_held_busy(tiny_bouncer):
+        assert asyncio.run(attempt()) is False
+    assert _lease_rows("lock:tiny:async") == []
+    assert in_thread(_lock_once_on, TINY, "tiny:async", "lease") is True
+
+
+@needs_django_pool
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+@pytest.mark.parametrize("strategy", ["lease", "row"])
+def test_djangos_pool_behind_a_busy_pgbouncer_is_a_lock_timeout(tiny_bouncer, strategy):
+    # Django's pool in front of PgBouncer: the caller's pooled connection is
+    # open, every PgBouncer server connection is busy. The same guarantee:
+    # a LockTimeout, and the given-up connection never goes back to the pool.
+    from django.db import transaction
+
+    wrapper = connections[TINY]
+    settings = wrapper.settings_dict  # (shared by every thread's wrapper of the alias)
+    options = settings["OPTIONS"]  # (shared with "default", whose copy this alias is)
+    wrapper.close()
+    settings["OPTIONS"] = {**options, "pool": {"min_size": 1, "max_size": 2, "timeout": 20}}
+    key = f"tiny:pool:{strategy}"
+    try:
+        query_on(TINY, "SELECT 1")  # a connection of Django's pool, open
+        with (
+            pool_held_busy(tiny_bouncer),
+            pytest.raises(dlock.LockTimeout),
+            contextlib.ExitStack() as stack,
+        ):
+            if strategy == "row":
+                stack.enter_context(transaction.atomic(using=TINY))
+            stack.enter_context(dlock.lock(key, strategy=strategy, using=TINY, timeout=1))
+        assert _lease_rows(f"lock:{key}") == []
+        connections[TINY].close()
+        for _ in range(3):  # what Django's pool hands out works
+            assert query_on(TINY, "SELECT 1") == [(1,)]
+            connections[TINY].close()
+        assert in_thread(_lock_once_on, TINY, key, strategy) is True
+    finally:
+        connections.close_all()
+        wrapper.close_pool()
+        settings["OPTIONS"] = options
+
+
+def _lock_once_on(alias: str, key: str, strategy: str) -> bool:
+    from django.db import transaction
+
+    try:
+        with (
+            transaction.atomic(using=alias),
+            dlock.lock(key, strategy=strategy, using=alias, timeout=10),
+        ):
+            return True
+    finally:
+        connections.close_all()
+        close_private_connections()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
+def test_a_lease_statement_given_up_on_the_server_never_commits_later(tiny_bouncer):
+    # The lease INSERT reaches a server but waits there (another transaction
+    # holds the expired lease's row) past the deadline. It is given up, and
+    # when the row is free again no lease was taken for the caller.
+    key, name = "tiny:late", "lock:tiny:late"
+    with connections["default"].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+            "VALUES (%s, 'someone', 'someone', 1, now(), now()) "
+            "ON CONFLICT (name) DO UPDATE SET token = 'someone', expire_at = now()",
+            [name],
+        )
+    blocker = connections.create_connection("default")
+    try:
+        blocker.set_autocommit(False)
+        with blocker.cursor() as cur:
+            cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+        assert dlock.lock(key, using=TINY, timeout=1).acquire() is False
+    finally:
+        blocker.rollback()
+        blocker.close()
+    # (a statement that went on running would have taken the row by now)
+    wait_until(lambda: not _lease_insert_running())
+    assert _lease_rows(name) == [("someone",)]  # still expired, never ours
+    assert in_thread(_lock_once_on, TINY, key, "lease") is True
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
+import os
+import socket
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.signals import connection_created
 from django.db.backends.utils import CursorWrapper
 
 from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import LockTimeout
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
@@ -102,6 +112,8 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
       like on the other databases (:func:`_sqlite_caller_writes`).
     """
     connection = connections[alias]
+    if _deadline.get() is not None:  # (a worker thread's connection of an async acquire)
+        guard_statements(connection)
     if not connection.in_atomic_block:
         if connection.connection is not None or not uses_django_pool(connection):
             return connection
@@ -153,10 +165,27 @@ def _sqlite_try_write(connection: BaseDatabaseWrapper, sql: str, end: str | None
     return True
 
 
+class _ThreadEnd:
+    """Kept in a thread's local data: when the thread ends, it goes, and with it
+    that thread's private connections are closed (never left to the garbage
+    collector: a Django connection is full of reference cycles)."""
+
+
+def _close_when_thread_ends(cache: dict[str, BaseDatabaseWrapper]) -> None:
+    for private in list(cache.values()):
+        raw = private.connection  # (its thread is gone: nobody else uses it)
+        if raw is not None:
+            with contextlib.suppress(Exception):
+                raw.close()
+    cache.clear()
+
+
 def _thread_private(alias: str) -> BaseDatabaseWrapper:
     cache: dict[str, BaseDatabaseWrapper] | None = getattr(_private, "connections", None)
     if cache is None:
         cache = _private.connections = {}
+        _private.end = _ThreadEnd()
+        weakref.finalize(_private.end, _close_when_thread_ends, cache)
     private = cache.get(alias)
     if private is None:
         private = _private_connection(alias)
@@ -181,6 +210,7 @@ def _private_connection(alias: str) -> BaseDatabaseWrapper:
     source = connections[direct_alias(alias)]
     private = source.copy(alias)
     private.settings_dict.setdefault("OPTIONS", {}).pop("pool", None)
+    guard_statements(private)
     return private
 
 
@@ -198,19 +228,30 @@ def behind_pooler(connection: BaseDatabaseWrapper) -> bool:
     """
     if connection.vendor != "postgresql":
         return False
-    settings = connection.settings_dict
-    key = tuple(settings.get(name) for name in ("HOST", "PORT", "NAME", "USER"))
+    key = _pooler_key(connection)
     found = _behind_pooler.get(key)
     if found is None:
         connection.ensure_connection()
         raw = connection.connection
-        with connection.wrap_database_errors, raw.cursor() as cur:
-            cur.execute("SELECT pg_backend_pid()")
-            row = cur.fetchone()
+
+        def backend_pid() -> Any:
+            with connection.wrap_database_errors, raw.cursor() as cur:
+                cur.execute("SELECT pg_backend_pid()")
+                return cur.fetchone()
+
+        row = _watched(connection, backend_pid)  # it may wait in the pooler's queue
         found = row is not None and int(row[0]) != raw.info.backend_pid
         with _pooler_mutex:
             _behind_pooler[key] = found
+        if not found:  # a direct connection: its statements need no watch
+            with contextlib.suppress(ValueError):
+                connection.execute_wrappers.remove(_watch_statement)
     return found
+
+
+def _pooler_key(connection: BaseDatabaseWrapper) -> tuple[Any, ...]:
+    settings = connection.settings_dict
+    return tuple(settings.get(name) for name in ("HOST", "PORT", "NAME", "USER"))
 
 
 def require_postgresql(strategy: str, connection: BaseDatabaseWrapper) -> None:
@@ -270,7 +311,9 @@ def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[
     return op(lock_connection(alias)), True
 
 
-def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tuple[Any, int]:
+def execute(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool = False
+) -> tuple[Any, int]:
     """Run one statement; return ``(its first row or None, its row count)``.
 
     On PostgreSQL the statement runs as a server-side prepared statement on
@@ -283,6 +326,13 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tup
     (:func:`behind_pooler`): a pooler in transaction mode hands the server
     session to other clients between statements, so a statement prepared on
     it would be missing, or already there, for the next one.
+
+    ``takes_lock``: the statement takes a lock when it commits (a lease
+    acquire). Through a pooler, while an acquire's deadline is watched (see
+    :func:`statement_deadline`), it then runs in a transaction of its own,
+    committed only once its result is back in time: a statement given up at
+    the deadline is rolled back with its closed connection, so a lease can
+    never be taken for a caller that already gave up.
     """
     if (
         connection.vendor == "postgresql"
@@ -291,9 +341,72 @@ def execute(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> tup
         and not behind_pooler(connection)
     ):
         return _execute_prepared(connection, sql, params)
+    if connection.vendor == "sqlite" and _deadline.get() is not None:
+        return _sqlite_within_deadline(connection, sql, params)
     with cursor(connection) as cur:
+        if not (
+            takes_lock
+            and _deadline.get() is not None
+            and not connection.in_atomic_block
+            and behind_pooler(connection)
+        ):
+            cur.execute(sql, params)
+            return (cur.fetchone() if cur.description else None), cur.rowcount
+        return _in_own_transaction(connection, cur, sql, params)
+
+
+def _sqlite_within_deadline(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any]
+) -> tuple[Any, int]:
+    """A statement of an acquire on SQLite: another writer is contention, not an outage.
+
+    SQLite lets one connection write at a time; another one waits up to its
+    busy timeout (the ``timeout`` option, 5 s by default) and then fails with
+    "database is locked". While a lock is being acquired, the statement
+    waits at most until the lock's deadline, and a database that stays
+    locked means "not acquired this round" (no row): the waiter looks again
+    within its timeout, and times out as usual.
+    """
+    if connection.in_atomic_block:  # the caller's transaction: its own busy handling
+        with cursor(connection) as cur:
+            cur.execute(sql, params)
+            return (cur.fetchone() if cur.description else None), cur.rowcount
+    end = _deadline.get()
+    assert end is not None
+    connection.ensure_connection()
+    raw = connection.connection
+    (saved,) = raw.execute("PRAGMA busy_timeout").fetchone()
+    wait_ms = min(int(saved), max(0, int((end - time.monotonic()) * 1000)))
+    raw.execute(f"PRAGMA busy_timeout = {wait_ms}")
+    try:
+        with cursor(connection) as cur:
+            cur.execute(sql, params)
+            return (cur.fetchone() if cur.description else None), cur.rowcount
+    except OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return None, 0
+        raise
+    finally:
+        if connection.connection is raw:
+            raw.execute(f"PRAGMA busy_timeout = {int(saved)}")
+
+
+def _in_own_transaction(
+    connection: BaseDatabaseWrapper, cur: CursorWrapper, sql: str, params: list[Any]
+) -> tuple[Any, int]:
+    """``sql`` between BEGIN and a COMMIT that is never given up half-way."""
+    cur.execute("BEGIN")  # (this is the statement that waits for a server)
+    try:
         cur.execute(sql, params)
-        return (cur.fetchone() if cur.description else None), cur.rowcount
+        found = (cur.fetchone() if cur.description else None), cur.rowcount
+    except BaseException:
+        if connection.connection is not None:  # not closed (given up): end the transaction
+            with unwatched(), contextlib.suppress(DatabaseError):
+                cur.execute("ROLLBACK")
+        raise
+    with unwatched():
+        cur.execute("COMMIT")
+    return found
 
 
 #: a preparation threshold no query reaches by repetition alone
@@ -330,6 +443,215 @@ def _execute_prepared(
         raise
 
 
-def fetch_one(connection: BaseDatabaseWrapper, sql: str, params: list[Any]) -> Any:
+def fetch_one(
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool = False
+) -> Any:
     """The first row of ``sql`` (or ``None``), see :func:`execute`."""
-    return execute(connection, sql, params)[0]
+    return execute(connection, sql, params, takes_lock)[0]
+
+
+# -- a client-side deadline for lock statements sent through a pooler ----------------------
+#
+# PgBouncer in transaction mode queues a statement until one of its server
+# connections is free, up to its ``query_wait_timeout`` (minutes by default),
+# and ignores a cancel request for a client that waits in that queue
+# (PgBouncer 1.18 logs "cancel request for idle client"). So while an acquire
+# runs, each statement sent through a pooler is watched: at the lock's
+# deadline it is cancelled (which stops it if it already runs on a server),
+# then its socket is shut down (which ends the wait in the queue). The
+# statement fails, the connection is closed (the next statement reconnects)
+# and the acquire reports a timeout. ``timeout=None`` is never watched.
+
+
+class Abandoned(LockTimeout):
+    """A lock statement was given up at the lock's deadline; its connection is closed.
+
+    Raised while waiting for a pooler (PgBouncer's client queue) that has no
+    free server connection. Lock acquisitions turn it into their usual
+    timeout (``acquire()`` returns ``False``, ``with`` raises
+    :class:`~django_dlock.LockTimeout`).
+    """
+
+
+#: the least time a watched statement gets, also when the deadline is (nearly) past:
+#: a try-once (``timeout=0``) still has time for one round trip through the pooler
+STATEMENT_FLOOR = 0.5
+
+_deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
+
+
+class statement_deadline:  # noqa: N801 (used like a function: ``with statement_deadline(...)``)
+    """Watch the lock statements sent through a pooler until ``deadline``.
+
+    Used around a strategy's ``acquire`` on ``alias``; a deadline of ``None``
+    (wait forever) watches nothing.
+    """
+
+    __slots__ = ("end", "alias", "token")
+
+    def __init__(self, deadline: Deadline, alias: str) -> None:
+        self.end = None if deadline.timeout is None else deadline.end
+        self.alias = alias
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        if self.end is not None:
+            guard_statements(connections[self.alias])
+            self.token = _deadline.set(self.end)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _deadline.reset(self.token)
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """Statements in this block are not watched (a COMMIT must not be cut in two)."""
+    token = _deadline.set(None)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def guard_statements(connection: BaseDatabaseWrapper, **_: Any) -> None:
+    """Install the statement watch on ``connection`` (PostgreSQL; once).
+
+    Installed on every PostgreSQL connection when it connects (and on one
+    that was open before, when a lock is acquired on it); it takes itself
+    off a connection found to reach the server directly. Django's own
+    statements when it connects (it sets the session's time zone) are
+    watched too: they wait in the pooler's queue like any other.
+    """
+    if (
+        connection.vendor == "postgresql"
+        and _watch_statement not in connection.execute_wrappers
+        and _behind_pooler.get(_pooler_key(connection)) is not False
+    ):
+        connection.execute_wrappers.insert(0, _watch_statement)  # pop() of others keeps it
+        init = connection.init_connection_state
+
+        def init_connection_state() -> None:
+            if _deadline.get() is None or _behind_pooler.get(_pooler_key(connection)) is False:
+                init()
+            else:
+                _watched(connection, init)
+
+        connection.init_connection_state = init_connection_state  # type: ignore[method-assign]
+
+
+@dataclass(eq=False)
+class _Watch:
+    raw: Any
+    at: float
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    fired: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+class _Watchdog:
+    """One daemon thread that fires the watches whose time has come."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.heap: list[tuple[float, int, _Watch]] = []
+        self.seq = itertools.count()
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+
+    def add(self, watch: _Watch) -> None:
+        with self.cond:
+            if self.thread is None or self.pid != os.getpid():  # none yet, or forked
+                self.heap.clear()
+                self.pid = os.getpid()
+                self.thread = threading.Thread(
+                    target=self._run, name="django-dlock-statement-watch", daemon=True
+                )
+                self.thread.start()
+            heapq.heappush(self.heap, (watch.at, next(self.seq), watch))
+            if self.heap[0][2] is watch:
+                self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.heap or self.heap[0][0] > time.monotonic():
+                    if self.heap:
+                        self.heap = [entry for entry in self.heap if not entry[2].done]
+                        heapq.heapify(self.heap)
+                    self.cond.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
+                _, _, watch = heapq.heappop(self.heap)
+            _fire(watch)
+
+
+_watchdog = _Watchdog()
+
+
+def _fire(watch: _Watch) -> None:
+    with watch.mutex:
+        if watch.done:
+            return
+        watch.fired = True
+    try:
+        # Stops the statement if it runs on a server (PgBouncer forwards the
+        # cancel); a client still in PgBouncer's queue is not cancelled...
+        with contextlib.suppress(Exception):
+            watch.raw.cancel()
+        # ...so end its wait: the blocked read returns, the statement fails.
+        # (The statement's thread waits for ``finished`` before it closes the
+        # connection, so the descriptor is still this connection's.)
+        with contextlib.suppress(Exception):
+            sock = socket.socket(fileno=os.dup(watch.raw.fileno()))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.close()
+    finally:
+        watch.finished.set()
+
+
+def _watch_statement(
+    execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    connection: BaseDatabaseWrapper = context["connection"]
+    if _deadline.get() is None:
+        return execute(sql, params, many, context)
+    if not behind_pooler(connection):  # a direct connection: never watched
+        with contextlib.suppress(ValueError):
+            connection.execute_wrappers.remove(_watch_statement)
+        return execute(sql, params, many, context)
+    return _watched(connection, lambda: execute(sql, params, many, context))
+
+
+connection_created.connect(guard_statements, dispatch_uid="django_dlock_guard_statements")
+
+
+def _watched(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
+    """``run()`` (one statement on ``connection``), given up at the current deadline."""
+    end = _deadline.get()
+    raw = connection.connection
+    if end is None or raw is None:
+        return run()
+    watch = _Watch(raw, max(end, time.monotonic() + STATEMENT_FLOOR))
+    _watchdog.add(watch)
+    error: BaseException | None = None
+    try:
+        result = run()
+    except BaseException as exc:
+        error = exc
+    with watch.mutex:
+        watch.done = True
+        fired = watch.fired
+        if not fired:
+            watch.raw = None  # (the watch may stay queued until its time: hold nothing)
+    if fired:
+        watch.finished.wait()
+        connection.close()
+        raise Abandoned(
+            "a lock statement waited past the lock's deadline for a server connection "
+            "of the connection pooler (its pool is busy); its connection was closed"
+        ) from error
+    if error is not None:
+        raise error
+    return result

@@ -403,7 +403,7 @@ class LeaseStrategy:
             sql = _PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
         else:
             sql = _SQLITE_ACQUIRE
-        row = fetch_one(connection, sql, [req.key.name, req.token, req.owner, req.ttl])
+        row = fetch_one(connection, sql, [req.key.name, req.token, req.owner, req.ttl], True)
         return None if row is None else int(row[0])
 
     def _mysql_acquire(self, connection: BaseDatabaseWrapper, req: Request) -> int | None:
