@@ -602,7 +602,7 @@ def test_dlock_list_shows_get_lock_locks_and_dlock_show_the_holder(metadata_lock
 
 
 def test_dlock_list_says_what_it_cannot_show():
-    from django_dlock import override
+    from django_dlock import operations as override
 
     if override.user_locks(DB).source == "performance_schema.metadata_locks":
         with mlock("shown"):  # a server that records user locks shows them there
