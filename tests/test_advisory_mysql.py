@@ -519,7 +519,7 @@ def test_advisory_on_sqlite_names_both_databases_that_can():
 
 
 def test_checks_advisory_runs_on_mysql_advisory_xact_is_e013():
-    from django_dlock.strategies.support import database_messages
+    from django_dlock.checks import database_messages
 
     assert database_messages("advisory", "x", {}, "mysql") == []
     assert [m.id for m in database_messages("advisory", "x", {}, "sqlite")] == ["dlock.E010"]
