@@ -44,6 +44,7 @@ from django.db import connections
 from django.dispatch import receiver
 
 from django_dlock import metrics, signals
+from django_dlock._threads import close_thread_connections, start_db_thread
 from django_dlock.conf import RetryInterval, conf, lock_alias
 from django_dlock.exceptions import (
     DLockError,
@@ -189,7 +190,7 @@ def _off_the_loop(func: Callable[[], T]) -> T:
         try:
             return func()
         finally:
-            connections.close_all()
+            close_thread_connections()
 
     with ThreadPoolExecutor(1, thread_name_prefix="django-dlock-check") as pool:
         return pool.submit(run).result()
@@ -219,9 +220,7 @@ async def _to_the_end(func: Callable[[], None], what: str) -> None:
             state["cancelled"] = True
             started = state["started"]
         if not started:
-            threading.Thread(
-                target=_run_logged, args=(func, what), name="django-dlock-release", daemon=True
-            ).start()
+            start_db_thread(lambda: _run_logged(func, what), "django-dlock-release")
         raise
 
 
@@ -230,8 +229,6 @@ def _run_logged(func: Callable[[], None], what: str) -> None:
         func()
     except Exception:
         logger.exception("django-dlock: %s after a cancellation failed", what)
-    finally:
-        connections.close_all()
 
 
 #: the checked value of each default setting a lock uses, until settings change

@@ -56,7 +56,7 @@ __all__ = [
 
 logger = logging.getLogger("django_dlock")
 
-TABLE = "django_dlock_lock"
+TABLE = Lock._meta.db_table
 NOTIFY_CHANNEL = "django_dlock"
 TOKEN_PREFIX = 8
 

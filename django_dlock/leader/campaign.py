@@ -121,27 +121,31 @@ class Campaign:
         self._wake.wake()
         self._poke()
 
+    def _term_or_wait(self) -> tuple[bool, Leadership | None]:
+        """Under the mutex: ``(True, term)`` to lead, ``(True, None)`` when stopped, else wait."""
+        if self._stop_requested:
+            return True, None
+        self._raise_if_dead()
+        held = self._leadership
+        if held is not None and not held.ended:
+            return True, held
+        return False, None
+
     def _next_term(self) -> Leadership | None:
         with self._changed:
             while True:
-                if self._stop_requested:
-                    return None
-                self._raise_if_dead()
-                held = self._leadership
-                if held is not None and not held.ended:
-                    return held
+                done, term = self._term_or_wait()
+                if done:
+                    return term
                 self._changed.wait(0.5)
 
     async def _anext_term(self, changed: asyncio.Event) -> Leadership | None:
         while True:
             changed.clear()
             with self._mutex:
-                if self._stop_requested:
-                    return None
-                self._raise_if_dead()
-                held = self._leadership
-                if held is not None and not held.ended:
-                    return held
+                done, term = self._term_or_wait()
+            if done:
+                return term
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), 0.5)
 
