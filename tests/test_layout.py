@@ -36,7 +36,7 @@ def test_every_check_is_registered_including_the_direct_databases_one():
     assert "dlock.E050" in found
     with override_settings(DLOCK_DEFAULT_TTL=0):
         found = [m.id for m in checks.run_checks() if m.id and m.id.startswith("dlock.")]
-    assert found == ["dlock.E002"]
+    assert "dlock.E002" in found
 
 
 def _backend_gone(pid: int) -> bool:
