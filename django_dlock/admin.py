@@ -40,7 +40,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from django_dlock import cleanup, dbclock, override
+from django_dlock import cleanup, dbclock
+from django_dlock import operations as override
 from django_dlock.dbclock import DbNow
 from django_dlock.models import Lock
 

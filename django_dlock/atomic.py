@@ -9,6 +9,7 @@ from typing import Any
 
 from django.db import connections, transaction
 
+from django_dlock.keys import LockKey
 from django_dlock.locks import Lock
 from django_dlock.strategies import get_strategy
 
@@ -17,7 +18,7 @@ logger = logging.getLogger("django_dlock")
 
 @contextmanager
 def lock_and_atomic(
-    key: Any,
+    key: LockKey,
     *,
     using: str | None = None,
     savepoint: bool = True,

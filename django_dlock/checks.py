@@ -1,16 +1,32 @@
-"""System checks for the ``DLOCK_*`` settings (stable IDs, listed in the docs)."""
+"""Every system check of django-dlock, registered here (stable IDs, listed in the docs).
+
+* ``dlock.E001``-``E005``: each ``DLOCK_*`` setting has a valid value;
+* ``dlock.E010``-``E013``, ``W010``-``W011``: the default strategy fits the
+  lock database (settings only, never a connection);
+* ``dlock.E020``-``E027``, ``W020``-``W023``: ``DLOCK_MIDDLEWARE_RULES`` and
+  the place of ``LockMiddleware``;
+* ``dlock.E030``-``E033``: ``DLOCK_WORKER_JOBS``;
+* ``dlock.E040``-``E041``: ``DLOCK_METRICS``;
+* ``dlock.E050``, ``W050``-``W051``: connection poolers (the ``W`` ones
+  connect, under ``Tags.database``).
+
+The values themselves are judged by :mod:`django_dlock.validation` (and by
+the middleware's and the worker's rule parsers), the same functions that
+refuse them at run time.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from django_dlock.conf import (
-    DEFAULTS,
+from django_dlock.conf import DEFAULTS, lock_alias
+from django_dlock.validation import (
     bool_error,
+    direct_databases_error,
     retry_interval_error,
     strategy_error,
     timeout_error,
@@ -47,9 +63,7 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
 @register(Tags.compatibility)
 def check_middleware_rules(**kwargs: Any) -> list[CheckMessage]:
     """dlock.E020-E027, W020-W022: ``DLOCK_MIDDLEWARE_RULES`` and LockMiddleware's place."""
-    from django_dlock.middleware import check_rules
-
-    return check_rules()
+    return middleware_messages()
 
 
 @register(Tags.compatibility)
@@ -67,8 +81,6 @@ def check_worker_jobs(**kwargs: Any) -> list[CheckMessage]:
 @register(Tags.compatibility)
 def check_strategy_database(**kwargs: Any) -> list[CheckMessage]:
     """dlock.E010-E013, W010-W011: the default strategy fits the lock database."""
-    from django_dlock.strategies.support import strategy_messages
-
     return strategy_messages()
 
 
@@ -93,10 +105,9 @@ def check_metrics(**kwargs: Any) -> list[CheckMessage]:
     return []
 
 
+@register(Tags.compatibility)
 def check_direct_databases(**kwargs: Any) -> list[CheckMessage]:
     """dlock.E050: ``DLOCK_DIRECT_DATABASES`` maps database aliases to database aliases."""
-    from django_dlock.conf import direct_databases_error
-
     problem = direct_databases_error(getattr(settings, "DLOCK_DIRECT_DATABASES", {}))
     if problem is None:
         return []
@@ -156,3 +167,203 @@ def check_poolers(**kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return found
+
+
+# -- the default strategy and the lock database (E010-E013, W010-W011) --------
+
+SESSION_HINT = (
+    "Use advisory_xact (transaction-scoped, safe behind any pooler) or lease, or give "
+    "advisory locks a database alias that connects directly (lock(..., using=...))."
+)
+
+
+def database_messages(
+    strategy: str, alias: str, database: dict[str, Any], vendor: str
+) -> list[CheckMessage]:
+    """The messages for ``strategy`` as the default on the database ``alias``."""
+    found: list[CheckMessage] = []
+    if strategy == "advisory" and vendor not in ("postgresql", "mysql"):
+        found.append(
+            Error(
+                "DLOCK_DEFAULT_STRATEGY is 'advisory', which needs PostgreSQL or "
+                f"MySQL/MariaDB, but the lock database {alias!r} is {vendor}.",
+                hint="Use the lease strategy.",
+                id="dlock.E010",
+            )
+        )
+    if strategy == "advisory_xact" and vendor == "mysql":
+        found.append(
+            Error(
+                "DLOCK_DEFAULT_STRATEGY is 'advisory_xact', which needs PostgreSQL: the lock "
+                f"database {alias!r} is MySQL/MariaDB, which has no transaction-scoped "
+                "advisory locks.",
+                hint="Use row (held until the transaction ends) or advisory (GET_LOCK, "
+                "held until released).",
+                id="dlock.E013",
+            )
+        )
+    elif strategy == "advisory_xact" and vendor != "postgresql":
+        found.append(
+            Error(
+                f"DLOCK_DEFAULT_STRATEGY is 'advisory_xact', which needs PostgreSQL, but the "
+                f"lock database {alias!r} is {vendor}.",
+                hint="Use the lease strategy.",
+                id="dlock.E010",
+            )
+        )
+    if strategy == "row" and vendor not in ("postgresql", "mysql"):
+        found.append(
+            Error(
+                f"DLOCK_DEFAULT_STRATEGY is 'row', which needs PostgreSQL or MySQL/MariaDB, "
+                f"but the lock database {alias!r} is {vendor}.",
+                hint="Use the lease strategy.",
+                id="dlock.E011",
+            )
+        )
+    if strategy != "advisory" or vendor != "postgresql":
+        return found
+    options = database.get("OPTIONS") or {}
+    if database.get("DISABLE_SERVER_SIDE_CURSORS") or str(database.get("PORT", "")) == "6432":
+        found.append(
+            Warning(
+                f"DLOCK_DEFAULT_STRATEGY is 'advisory' and the database {alias!r} looks like "
+                "it goes through PgBouncer (DISABLE_SERVER_SIDE_CURSORS or port 6432). In "
+                "transaction mode the server session changes between statements, and a "
+                "session lock would be left with the next client.",
+                hint=SESSION_HINT,
+                id="dlock.W010",
+            )
+        )
+    if options.get("pool"):
+        found.append(
+            Warning(
+                f"DLOCK_DEFAULT_STRATEGY is 'advisory' and the database {alias!r} uses "
+                "Django's connection pool. Advisory locks never borrow pooled connections "
+                "(a lock cannot leak to the next borrower): each thread or task holding "
+                "one uses a dedicated session outside the pool.",
+                hint="Count those sessions in max_connections (one per concurrent holder "
+                "or waiter, plus a few idle ones per process), or silence this warning.",
+                id="dlock.W011",
+            )
+        )
+    return found
+
+
+def strategy_messages() -> list[CheckMessage]:
+    """dlock.E010-E013, W010-W011 for the current settings (see the module docstring)."""
+    found: list[CheckMessage] = []
+    fencing = getattr(settings, "DLOCK_ADVISORY_FENCING", False)
+    if not isinstance(fencing, bool):
+        found.append(
+            Error(
+                f"DLOCK_ADVISORY_FENCING must be True or False, not {fencing!r}.",
+                hint="Set DLOCK_ADVISORY_FENCING = True to give advisory locks fencing "
+                "numbers (it costs about 20 % of an uncontended acquire/release).",
+                id="dlock.E012",
+            )
+        )
+    strategy = getattr(settings, "DLOCK_DEFAULT_STRATEGY", DEFAULTS["DLOCK_DEFAULT_STRATEGY"])
+    if strategy_error(strategy) is not None:
+        return found  # dlock.E001
+    try:
+        alias = lock_alias()
+    except Exception:
+        alias = "default"
+    database = settings.DATABASES.get(alias)
+    if database is None:
+        return found
+    from django.db import connections
+
+    found += database_messages(strategy, alias, database, connections[alias].vendor)
+    return found
+
+
+# -- LockMiddleware (E020-E027, W020-W023) ------------------------------------
+
+
+def _middleware_index(middleware: Iterable[str], path: str) -> int | None:
+    for index, entry in enumerate(middleware):
+        if entry == path:
+            return index
+    return None
+
+
+def middleware_messages() -> list[CheckMessage]:
+    """dlock.E020-E027, dlock.W020-W023: the rules and the middleware's place."""
+    from django_dlock._http import KeyTemplate
+    from django_dlock.middleware import (
+        AUTH_MIDDLEWARE,
+        CSRF_MIDDLEWARE,
+        MIDDLEWARE_PATH,
+        SESSION_MIDDLEWARE,
+        rule_problems,
+    )
+
+    raw = getattr(settings, "DLOCK_MIDDLEWARE_RULES", [])
+    messages: list[CheckMessage] = []
+    problems = rule_problems(raw)
+    hint = 'See "Views and middleware" in the django-dlock docs (DLOCK_MIDDLEWARE_RULES).'
+    messages.extend(Error(message, hint=hint, id=check_id) for check_id, message in problems)
+    middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
+    ours = _middleware_index(middleware, MIDDLEWARE_PATH)
+    rules = raw if isinstance(raw, (list, tuple)) and not problems else []
+    if rules and ours is None:
+        messages.append(
+            Warning(
+                "DLOCK_MIDDLEWARE_RULES is set but LockMiddleware is not in MIDDLEWARE, "
+                "so no rule applies.",
+                hint=f"Add {MIDDLEWARE_PATH!r} to MIDDLEWARE (after the session and "
+                "authentication middleware).",
+                id="dlock.W020",
+            )
+        )
+    if ours is not None and not raw:
+        messages.append(
+            Warning(
+                "LockMiddleware is in MIDDLEWARE but DLOCK_MIDDLEWARE_RULES is empty, so it "
+                "does nothing.",
+                hint="Add rules to DLOCK_MIDDLEWARE_RULES, or remove the middleware.",
+                id="dlock.W022",
+            )
+        )
+    csrf = _middleware_index(middleware, CSRF_MIDDLEWARE)
+    if rules and ours is not None and csrf is not None and csrf > ours:
+        messages.append(
+            Warning(
+                "LockMiddleware comes before CsrfViewMiddleware in MIDDLEWARE: a POST that "
+                "fails the CSRF check takes the lock (and writes a lease row) before it is "
+                "refused.",
+                hint=f"Put {MIDDLEWARE_PATH!r} after {CSRF_MIDDLEWARE!r}.",
+                id="dlock.W023",
+            )
+        )
+    for index, rule in enumerate(rules):
+        names = set(KeyTemplate.parse(rule["key"]).names)
+        needed = []
+        if names & {"user", "session"}:
+            needed.append(SESSION_MIDDLEWARE)
+        if "user" in names:
+            needed.append(AUTH_MIDDLEWARE)
+        for path in needed:
+            place = _middleware_index(middleware, path)
+            if ours is not None and (place is None or place > ours):
+                messages.append(
+                    Error(
+                        f"DLOCK_MIDDLEWARE_RULES[{index}] uses "
+                        f"{'{user}' if 'user' in names else '{session}'}, which needs {path} "
+                        "before LockMiddleware in MIDDLEWARE.",
+                        hint=f"Put {path!r} before {MIDDLEWARE_PATH!r}.",
+                        id="dlock.E027",
+                    )
+                )
+        if rule.get("on_contention") == "wait" and "timeout" in rule and rule["timeout"] is None:
+            messages.append(
+                Warning(
+                    f"DLOCK_MIDDLEWARE_RULES[{index}] waits without limit "
+                    '(on_contention="wait", timeout=None): a request may hold a worker '
+                    "for as long as another holds the lock.",
+                    hint="Give a timeout in seconds.",
+                    id="dlock.W021",
+                )
+            )
+    return messages

@@ -1,24 +1,50 @@
 """Typed, lazy access to the ``DLOCK_*`` settings.
 
 Every value is read from ``django.conf.settings`` at call time, so
-``override_settings`` always works. Validation lives in :mod:`checks`
-(system checks) and in :func:`validate_*` helpers that the lock calls
-before any SQL runs.
+``override_settings`` always works. Validation lives in
+:mod:`django_dlock.validation` (one function per value, used by the system
+checks at start-up and by the lock before any SQL runs).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
 
+# The validators moved to django_dlock.validation; importing them from here
+# keeps working.
+from django_dlock.validation import (
+    MAX_SECONDS,
+    STRATEGIES,
+    bool_error,
+    direct_databases_error,
+    retry_interval_error,
+    strategy_error,
+    timeout_error,
+    ttl_error,
+)
+
+__all__ = [
+    "DEFAULTS",
+    "MAX_SECONDS",
+    "STRATEGIES",
+    "RetryInterval",
+    "Settings",
+    "bool_error",
+    "conf",
+    "direct_databases_error",
+    "lock_alias",
+    "retry_interval_error",
+    "strategy_error",
+    "timeout_error",
+    "ttl_error",
+]
+
 #: A retry policy: seconds as a number (jittered) or a function of the
 #: attempt number (0-based) returning seconds (used as is).
 RetryInterval = float | Callable[[int], float]
-
-STRATEGIES = ("lease", "row", "advisory", "advisory_xact")
 
 DEFAULTS: dict[str, Any] = {
     "DLOCK_DEFAULT_STRATEGY": "lease",
@@ -30,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_WORKER_JOBS": [],
     "DLOCK_METRICS": None,
     "DLOCK_DIRECT_DATABASES": {},
+    "DLOCK_ADVISORY_FENCING": False,
 }
 
 
@@ -79,84 +106,25 @@ class Settings:
         value = self._get("DLOCK_DIRECT_DATABASES")
         return dict(value) if isinstance(value, dict) else {}
 
+    @property
+    def ADVISORY_FENCING(self) -> bool:  # noqa: N802
+        """Whether advisory locks take fencing numbers (only ``True`` enables it)."""
+        return self._get("DLOCK_ADVISORY_FENCING") is True
+
 
 conf = Settings()
 
 
-#: the longest lease (and hold) in seconds, about 31 years: every database
-#: can add it to its clock (longer ones overflow a date or an interval)
-MAX_SECONDS = 1e9
+def lock_alias(using: str | None = None) -> str:
+    """The database alias of the lock table: ``using``, else the router's choice.
 
+    The router is asked for the write database of
+    :class:`django_dlock.models.Lock`; ``"default"`` if it has no opinion.
+    """
+    if using is not None:
+        return using
+    from django.db import router
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    from django_dlock.models import Lock
 
-
-def ttl_error(value: object) -> str | None:
-    """Return why ``value`` is not a valid lease TTL, or ``None``."""
-    if not _is_number(value):
-        return f"ttl must be a number of seconds, not {type(value).__name__}"
-    assert isinstance(value, (int, float))
-    if not math.isfinite(value) or value <= 0:
-        return f"ttl must be a finite number of seconds > 0, got {value!r}"
-    if value > MAX_SECONDS:
-        return f"ttl must be at most {MAX_SECONDS:g} seconds (about 31 years), got {value!r}"
-    return None
-
-
-def timeout_error(value: object) -> str | None:
-    """Return why ``value`` is not a valid timeout (None, or seconds >= 0)."""
-    if value is None:
-        return None
-    if not _is_number(value):
-        return f"timeout must be None or a number of seconds, not {type(value).__name__}"
-    assert isinstance(value, (int, float))
-    if math.isnan(value) or value < 0:
-        return f"timeout must be None (wait forever) or seconds >= 0, got {value!r}"
-    return None
-
-
-def retry_interval_error(value: object) -> str | None:
-    """Return why ``value`` is not a valid retry policy, or ``None``."""
-    if callable(value):
-        return None
-    if not _is_number(value):
-        return (
-            "retry_interval must be seconds (a number) or a function of the attempt "
-            f"number, not {type(value).__name__}"
-        )
-    assert isinstance(value, (int, float))
-    if not math.isfinite(value) or value < 0:
-        return f"retry_interval must be a finite number of seconds >= 0, got {value!r}"
-    if value > MAX_SECONDS:
-        return f"retry_interval must be at most {MAX_SECONDS:g} seconds, got {value!r}"
-    return None
-
-
-def bool_error(value: object) -> str | None:
-    """Return why ``value`` is not a bool, or ``None``."""
-    if not isinstance(value, bool):
-        return f"must be True or False, not {type(value).__name__}"
-    return None
-
-
-def strategy_error(value: object) -> str | None:
-    """Return why ``value`` is not a known strategy name, or ``None``."""
-    if value not in STRATEGIES:
-        return f"unknown strategy {value!r}; choose one of {', '.join(STRATEGIES)}"
-    return None
-
-
-def direct_databases_error(value: object) -> str | None:
-    """Return why ``value`` is not a valid ``DLOCK_DIRECT_DATABASES``, or ``None``."""
-    if not isinstance(value, dict):
-        return f"must be a dict of database aliases, not {type(value).__name__}"
-    from django.db import connections
-
-    for alias, direct in value.items():
-        for name in (alias, direct):
-            if not isinstance(name, str) or name not in connections:
-                return f"{name!r} is not a database alias (known: {', '.join(connections)})"
-        if alias == direct:
-            return f"{alias!r} maps to itself"
-    return None
+    return router.db_for_write(Lock) or "default"

@@ -31,212 +31,59 @@ that names an argument the call does not have raises
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
-import string
-import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from asgiref.sync import async_to_sync
 from django.db import connections
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest
 
-from django_dlock.conf import strategy_error, timeout_error, ttl_error
-from django_dlock.exceptions import InvalidLockKey, LockTimeout, StrategyNotSupported
-from django_dlock.identity import Holder, current_holder, current_task
-from django_dlock.keys import make_key
+# Key templates and contention answers live in django_dlock._http; their
+# names stay importable from here, where the documentation puts them.
+from django_dlock._http import (
+    Contention,
+    ContentionPolicy,
+    KeyTemplate,
+    KeyTemplateError,
+    MissingKeyArgument,
+    aanswer_contention,
+    aguarded_call,
+    answer_contention,
+    fit_key,
+    guarded_call,
+    locked_response,
+    release_as,
+    release_on_close,
+    resource_of,
+)
+from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.locks import Lock
+from django_dlock.validation import (
+    contention_policy_error,
+    retry_after_error,
+    strategy_error,
+    timeout_error,
+    ttl_error,
+)
 
 __all__ = [
     "Contention",
+    "ContentionPolicy",
     "KeyTemplate",
     "KeyTemplateError",
     "MissingKeyArgument",
+    "contention_policy_error",
+    "fit_key",
     "locked_response",
+    "options_error",
+    "release_as",
+    "release_on_close",
+    "resource_of",
+    "retry_after_error",
     "with_lock",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-#: a status code, ``"wait"``, or a callable ``(Contention) -> response``
-ContentionPolicy = int | str | Callable[["Contention"], Any]
-
-
-class KeyTemplateError(InvalidLockKey):
-    """A key template is malformed, or uses more than plain argument names."""
-
-
-class MissingKeyArgument(KeyTemplateError, LookupError):
-    """A key template names an argument that the call does not have.
-
-    Raised instead of filling the gap with an empty value, which would make
-    every such call share one lock.
-    """
-
-
-# -- key templates -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyTemplate:
-    """A parsed key template such as ``"invoice:{invoice_id}"``.
-
-    Only plain names are allowed between braces; ``{{`` and ``}}`` are
-    literal braces. Values are inserted with ``str()``, never formatted
-    again, so a value cannot inject a field of its own.
-    """
-
-    template: str
-    parts: tuple[tuple[str, str | None], ...]
-
-    @classmethod
-    def parse(cls, template: str) -> KeyTemplate:
-        """Parse ``template``.
-
-        Raises:
-            KeyTemplateError: the template is not a string, has unbalanced
-                braces, or uses anything but plain names between braces.
-        """
-        if not isinstance(template, str):
-            raise KeyTemplateError(
-                f"a key template must be a string, not {type(template).__name__}"
-            )
-        try:
-            parsed = list(string.Formatter().parse(template))
-        except ValueError as exc:
-            raise KeyTemplateError(f"key template {template!r} is malformed: {exc}") from None
-        parts: list[tuple[str, str | None]] = []
-        for literal, name, spec, conversion in parsed:
-            if name is None:
-                parts.append((literal, None))
-                continue
-            if not name.isidentifier() or spec or conversion is not None:
-                shown = "{" + name + ("!" + conversion if conversion else "")
-                shown += (":" + spec if spec else "") + "}"
-                raise KeyTemplateError(
-                    f"key template {template!r} uses {shown}: only plain argument names such "
-                    "as {invoice_id} are allowed (no attribute or index access, no positional "
-                    "fields, no conversions or format specifications); use a callable key "
-                    "for anything else"
-                )
-            parts.append((literal, name))
-        return cls(template=template, parts=tuple(parts))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The argument names the template uses, in order, without repeats."""
-        return tuple(dict.fromkeys(name for _, name in self.parts if name is not None))
-
-    def render(self, values: Mapping[str, Any], where: str = "the call") -> str:
-        """Fill the template from ``values``.
-
-        Raises:
-            MissingKeyArgument: a name is not in ``values``.
-        """
-        out: list[str] = []
-        for literal, name in self.parts:
-            out.append(literal)
-            if name is None:
-                continue
-            if name not in values:
-                have = ", ".join(sorted(values)) or "none"
-                raise MissingKeyArgument(
-                    f"the lock key template {self.template!r} names {{{name}}}, but {where} "
-                    f"has no argument {name!r} (it has: {have})"
-                )
-            out.append(str(values[name]))
-        return fit_key("".join(out))
-
-
-def fit_key(text: str) -> str:
-    """Return ``text`` if it is a valid key, else a stable digest of it.
-
-    A key rendered from request data may be empty, longer than 255
-    characters or contain a NUL byte; such a key becomes
-    ``"sha256:<hex>"`` instead of an error. A rendered key that itself
-    starts with ``"sha256:"`` is hashed too, so no input can name the lock
-    of another input's digest: distinct inputs stay distinct locks.
-    """
-    try:
-        make_key(text)
-    except InvalidLockKey:
-        return _digest(text)
-    return _digest(text) if text.startswith(_DIGEST_PREFIX) else text
-
-
-_DIGEST_PREFIX = "sha256:"
-
-
-def _digest(text: str) -> str:
-    return _DIGEST_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-# -- contention ----------------------------------------------------------------
-
-
-@dataclass
-class Contention:
-    """What an ``on_contention`` callable is given when the key is held.
-
-    Attributes:
-        request: the request (``None`` when a plain function was decorated).
-        resource: the key as text without namespace (what a 423 body names).
-        lock: the :class:`~django_dlock.locks.Lock` that could not be acquired.
-        retry_after: seconds for a ``Retry-After`` header (``None``: no header).
-        args: the positional arguments of the call.
-        kwargs: the keyword arguments of the call (URL kwargs for a view).
-    """
-
-    request: HttpRequest | None
-    resource: str
-    lock: Lock
-    retry_after: int | None
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def response(self, status: int = 423) -> HttpResponse:
-        """The default answer: ``status`` with a body naming the resource."""
-        return locked_response(self.resource, status=status, retry_after=self.retry_after)
-
-
-def locked_response(
-    resource: str, *, status: int = 423, retry_after: int | None = 1
-) -> HttpResponse:
-    """A plain-text response saying that ``resource`` is locked.
-
-    ``423 Locked`` by default, with a ``Retry-After`` header unless
-    ``retry_after`` is ``None``.
-    """
-    body = f'The resource "{resource}" is locked by another request.'
-    if retry_after is not None:
-        body += f" Retry after {retry_after} s."
-    response = HttpResponse(body + "\n", status=status, content_type="text/plain; charset=utf-8")
-    if retry_after is not None:
-        response["Retry-After"] = str(retry_after)
-    return response
-
-
-def contention_policy_error(value: object, timeout: object) -> str | None:
-    """Return why ``value`` is not a valid ``on_contention``, or ``None``."""
-    if callable(value):
-        return None
-    if value == "wait":
-        if timeout == 0:
-            return (
-                'on_contention="wait" needs a timeout: seconds > 0, or None to wait '
-                "without limit (the default timeout=0 never waits)"
-            )
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        return (
-            'on_contention must be an HTTP status code, "wait" or a callable '
-            f"(Contention) -> response, not {value!r}"
-        )
-    if not 400 <= value <= 599:
-        return f"on_contention status must be an HTTP error status (400-599), got {value}"
-    return None
 
 
 def options_error(
@@ -260,76 +107,6 @@ def options_error(
         if problem is not None:
             return ValueError(problem)
     return None
-
-
-def retry_after_error(value: object) -> str | None:
-    """Return why ``value`` is not a valid ``retry_after`` (None or int >= 0)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return f"retry_after must be None or whole seconds >= 0, got {value!r}"
-    return None
-
-
-def resource_of(lk: Lock) -> str:
-    """The lock's key(s) as text, without the namespace prefix."""
-    return ", ".join(key.unqualified for key in lk.keys)
-
-
-def _is_streaming(result: object) -> bool:
-    return isinstance(result, HttpResponseBase) and bool(result.streaming)
-
-
-def release_as(lk: Lock, holder: Holder) -> None:
-    """Release ``lk`` for ``holder`` (the thread or task that acquired it).
-
-    Used when the release happens elsewhere than the acquisition: a
-    streaming response is closed by the server after the view returned,
-    possibly in another thread.
-    """
-    lk.release_for(holder)
-
-
-def _release_in_thread(func: Callable[[], None]) -> None:
-    """Run blocking database work off the event loop, and wait for it."""
-    box: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            func()
-        except BaseException as exc:
-            box["error"] = exc
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run, name="django-dlock-release")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-
-
-def release_on_close(response: HttpResponseBase, lk: Lock, holder: Holder) -> None:
-    """Release ``lk`` when ``response`` is closed (after its stream was sent).
-
-    Django calls a response's resource closers from ``close()``, before the
-    ``request_finished`` signal closes the database connection.
-    """
-    done = False
-
-    def close() -> None:
-        nonlocal done
-        if done:
-            return
-        done = True
-        if current_task() is not None:
-            # close() called from an event loop (an async test client):
-            # the release blocks, so run it in a thread of its own.
-            _release_in_thread(lambda: release_as(lk, holder))
-        else:
-            release_as(lk, holder)
-
-    response._resource_closers.append(close)  # type: ignore[attr-defined]
 
 
 # -- the decorator ---------------------------------------------------------------
@@ -448,29 +225,6 @@ class _WithLock:
             kwargs=kwargs,
         )
 
-    def contended(self, c: Contention) -> Any:
-        policy = self.on_contention
-        if callable(policy):
-            if inspect.iscoroutinefunction(policy):
-                return async_to_sync(policy)(c)
-            return policy(c)
-        return self._default(c)
-
-    async def acontended(self, c: Contention) -> Any:
-        policy = self.on_contention
-        if callable(policy):
-            result = policy(c)
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-        return self._default(c)
-
-    def _default(self, c: Contention) -> Any:
-        if c.request is None:
-            raise LockTimeout(f"could not acquire {c.lock.name!r} within {c.lock.timeout} s")
-        status = 423 if self.on_contention == "wait" else cast(int, self.on_contention)
-        return c.response(status)
-
     # -- wrapping -------------------------------------------------------------
 
     def check_names(self, func: Callable[..., Any], sig: inspect.Signature | None) -> None:
@@ -506,19 +260,13 @@ class _WithLock:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             request = _request_of(args)
             lk = self.lock_for(sig, request, args, kwargs)
-            if not lk.acquire():
-                return self.contended(self.contention(lk, request, args, kwargs))
-            holder = current_holder()
-            try:
-                result = func(*args, **kwargs)
-            except BaseException as exc:
-                lk.__exit__(type(exc), exc, None)
-                raise
-            if _is_streaming(result):
-                release_on_close(result, lk, holder)
-            else:
-                lk.__exit__(None, None, None)
-            return result
+            return guarded_call(
+                lk,
+                lambda: func(*args, **kwargs),
+                lambda: answer_contention(
+                    self.on_contention, self.contention(lk, request, args, kwargs)
+                ),
+            )
 
         return wrapper
 
@@ -529,19 +277,13 @@ class _WithLock:
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             request = _request_of(args)
             lk = self.lock_for(sig, request, args, kwargs)
-            if not await lk.aacquire():
-                return await self.acontended(self.contention(lk, request, args, kwargs))
-            holder = current_holder()
-            try:
-                result = await func(*args, **kwargs)
-            except BaseException as exc:
-                await lk.__aexit__(type(exc), exc, None)
-                raise
-            if _is_streaming(result):
-                release_on_close(result, lk, holder)
-            else:
-                await lk.__aexit__(None, None, None)
-            return result
+            return await aguarded_call(
+                lk,
+                lambda: func(*args, **kwargs),
+                lambda: aanswer_contention(
+                    self.on_contention, self.contention(lk, request, args, kwargs)
+                ),
+            )
 
         return wrapper
 

@@ -315,12 +315,10 @@ def cleanup() -> int:
     ``"django_dlock.jobs.cleanup"`` to ``DLOCK_WORKER_JOBS`` (or run
     ``runworker --job django_dlock.jobs.cleanup``). Returns the rows deleted.
     """
-    from django.db import router
-
     from django_dlock.cleanup import delete_free
-    from django_dlock.models import Lock as LockRow
+    from django_dlock.conf import lock_alias
 
-    alias = router.db_for_write(LockRow) or "default"
+    alias = lock_alias()
     deleted = delete_free(alias)
     logger.info("django-dlock: cleanup deleted %d free lease row(s) on %r", deleted, alias)
     return deleted

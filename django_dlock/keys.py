@@ -49,7 +49,10 @@ MAX_NAME_LENGTH = 300
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1
 
 KeyPart = int | str
+#: one key: a string, a two-part tuple, or a saved model instance
 KeyLike = str | tuple[KeyPart, KeyPart] | models.Model
+#: what a lock takes: one key, or a collection of keys locked all or none
+LockKey = KeyLike | list[KeyLike] | set[KeyLike] | frozenset[KeyLike]
 
 NAMESPACES = ("lock", "task", "leader")
 

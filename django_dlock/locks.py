@@ -32,26 +32,20 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 from asgiref.sync import sync_to_async
 from django.core.signals import setting_changed
-from django.db import connections, router
+from django.db import connections
 from django.dispatch import receiver
 
 from django_dlock import metrics, signals
-from django_dlock.conf import (
-    MAX_SECONDS,
-    conf,
-    retry_interval_error,
-    strategy_error,
-    timeout_error,
-    ttl_error,
-)
+from django_dlock._threads import close_thread_connections, start_db_thread
+from django_dlock.conf import RetryInterval, conf, lock_alias
 from django_dlock.exceptions import (
     DLockError,
     InvalidLockKey,
@@ -62,11 +56,19 @@ from django_dlock.exceptions import (
     StrategyNotSupported,
 )
 from django_dlock.identity import Holder, current_holder, current_task
-from django_dlock.keys import Key, make_key
+from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy
 from django_dlock.strategies.base import Abandoned, Request, Strategy, statement_deadline
+from django_dlock.validation import (
+    retry_interval_error,
+    seconds_or_none,
+    strategy_error,
+    timeout_error,
+    ttl_error,
+    validated,
+)
 
 __all__ = ["Lock", "lock"]
 
@@ -154,24 +156,6 @@ class Holding:
                 logger.exception("django-dlock: on_lost callback of %s raised", self.name)
 
 
-def _number_or_none(value: object, what: str, allow_zero: bool) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be a finite number of seconds {bound}, got {value!r}")
-    if value > MAX_SECONDS:
-        raise ValueError(f"{what} must be at most {MAX_SECONDS:g} seconds, got {value!r}")
-    return float(value)
-
-
-def _validated(problem: str | None) -> None:
-    if problem is not None:
-        raise ValueError(problem)
-
-
 def _holder_alive() -> Callable[[], bool]:
     """A cheap test of whether the calling thread or asyncio task still runs."""
     task = current_task()
@@ -206,7 +190,7 @@ def _off_the_loop(func: Callable[[], T]) -> T:
         try:
             return func()
         finally:
-            connections.close_all()
+            close_thread_connections()
 
     with ThreadPoolExecutor(1, thread_name_prefix="django-dlock-check") as pool:
         return pool.submit(run).result()
@@ -236,9 +220,7 @@ async def _to_the_end(func: Callable[[], None], what: str) -> None:
             state["cancelled"] = True
             started = state["started"]
         if not started:
-            threading.Thread(
-                target=_run_logged, args=(func, what), name="django-dlock-release", daemon=True
-            ).start()
+            start_db_thread(lambda: _run_logged(func, what), "django-dlock-release")
         raise
 
 
@@ -247,8 +229,6 @@ def _run_logged(func: Callable[[], None], what: str) -> None:
         func()
     except Exception:
         logger.exception("django-dlock: %s after a cancellation failed", what)
-    finally:
-        connections.close_all()
 
 
 #: the checked value of each default setting a lock uses, until settings change
@@ -357,7 +337,7 @@ class Lock:
 
     def __init__(
         self,
-        key: Any = None,
+        key: LockKey | None = None,
         *,
         strategy: str | None = None,
         ttl: float | None = None,
@@ -366,7 +346,7 @@ class Lock:
         renew: bool = False,
         max_hold: float | None = None,
         reentrant: bool = True,
-        retry_interval: Any = None,
+        retry_interval: RetryInterval | None = None,
         on_lost: Callable[[LockLost], None] | None = None,
         on_fail: str = "raise",
         shared: bool = False,
@@ -383,15 +363,15 @@ class Lock:
                 raise StrategyNotSupported(problem)
         self._strategy_arg = strategy
         if ttl is not None:
-            _validated(ttl_error(ttl))
+            validated(ttl_error(ttl))
         self._ttl_arg = None if ttl is None else float(ttl)
         if timeout is not UNSET:
-            _validated(timeout_error(timeout))
+            validated(timeout_error(timeout))
         self._timeout_arg = timeout
         if retry_interval is not None:
-            _validated(retry_interval_error(retry_interval))
+            validated(retry_interval_error(retry_interval))
         self._retry_arg = retry_interval
-        self.max_hold = _number_or_none(max_hold, "max_hold", allow_zero=False)
+        self.max_hold = seconds_or_none(max_hold, "max_hold", allow_zero=False)
         if on_fail not in ("raise", "skip"):
             raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
         if using is not None and using not in connections:
@@ -431,11 +411,12 @@ class Lock:
         return value
 
     @property
-    def retry_interval(self) -> Any:
+    def retry_interval(self) -> RetryInterval:
         """The waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)."""
         if self._retry_arg is not None:
             return self._retry_arg
-        return _default("DLOCK_RETRY_INTERVAL")
+        value: RetryInterval = _default("DLOCK_RETRY_INTERVAL")
+        return value
 
     def _check_options(self) -> None:
         """Read and check every option that comes from settings (before any SQL)."""
@@ -443,7 +424,7 @@ class Lock:
 
     # -- keys ----------------------------------------------------------------
 
-    def _make_keys(self, key: Any) -> list[Key]:
+    def _make_keys(self, key: LockKey) -> list[Key]:
         if isinstance(key, (list, set, frozenset)):
             if not key:
                 raise InvalidLockKey("a list of keys must not be empty")
@@ -467,11 +448,7 @@ class Lock:
 
     @property
     def alias(self) -> str:
-        if self.using is not None:
-            return self.using
-        from django_dlock.models import Lock as LockModel
-
-        return router.db_for_write(LockModel) or "default"
+        return lock_alias(self.using)
 
     def _strategy(self, alias: str) -> Strategy:
         strategy = get_strategy(self.strategy_name)
@@ -570,7 +547,7 @@ class Lock:
             return 0.0
         if timeout is UNSET:
             return self.timeout
-        _validated(timeout_error(timeout))
+        validated(timeout_error(timeout))
         return timeout
 
     def _reenter(self, holder: Holder, alias: str, strategy: Strategy, key: Key) -> bool:
@@ -905,7 +882,7 @@ class Lock:
 
     def _extend_ttl(self, ttl: float | None) -> float:
         seconds = self.ttl if ttl is None else ttl
-        _validated(ttl_error(seconds))
+        validated(ttl_error(seconds))
         return float(seconds)
 
     def _holdings_to_extend(self) -> list[Holding]:
@@ -969,7 +946,7 @@ class Lock:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._exit(self.release, exc)
+        self._leave(exc)
 
     async def __aenter__(self) -> Lock:
         self._refuse_skip()
@@ -978,20 +955,23 @@ class Lock:
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        leaving = _LEAVING.set(True)
-        try:
-            await self.arelease()
-        except LockLost:
-            if exc is None:
-                raise
-            logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
-        finally:
-            _LEAVING.reset(leaving)
+        await self._aleave(exc)
 
-    def _exit(self, release: Callable[[], None], exc: BaseException | None) -> None:
+    def _leave(self, exc: BaseException | None) -> None:
+        """Release on leaving a block or a guarded call that raised ``exc`` (or not)."""
+        with self._leaving(exc):
+            self.release()
+
+    async def _aleave(self, exc: BaseException | None) -> None:
+        """Async :meth:`_leave`."""
+        with self._leaving(exc):
+            await self.arelease()
+
+    @contextlib.contextmanager
+    def _leaving(self, exc: BaseException | None) -> Iterator[None]:
         leaving = _LEAVING.set(True)
         try:
-            release()
+            yield
         except LockLost:
             # Leaving the block raises LockLost, but never hides the body's
             # own exception.
@@ -1017,35 +997,31 @@ class Lock:
 
     def __call__(self, func: F) -> F:
         """Use the lock as a decorator (sync or async functions)."""
+        from django_dlock._http import aguarded_call, guarded_call
+
         lk = self._for_function(func)
+
+        def refused() -> None:
+            if lk.on_fail != "skip":
+                raise lk._timeout_error()
+            lk._skipped()
+
         if inspect.iscoroutinefunction(func):
+
+            async def arefused() -> None:
+                refused()
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                if not await lk.aacquire():
-                    if lk.on_fail == "skip":
-                        lk._skipped()
-                        return None
-                    raise lk._timeout_error()
-                try:
-                    result = await func(*args, **kwargs)
-                except BaseException as exc:
-                    await lk.__aexit__(type(exc), exc, None)
-                    raise
-                await lk.__aexit__(None, None, None)
-                return result
+                return await aguarded_call(
+                    lk, lambda: func(*args, **kwargs), arefused, stream=False
+                )
 
             return cast(F, async_wrapper)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not lk.acquire():
-                if lk.on_fail == "skip":
-                    lk._skipped()
-                    return None
-                raise lk._timeout_error()
-            with _Releasing(lk):
-                return func(*args, **kwargs)
+            return guarded_call(lk, lambda: func(*args, **kwargs), refused, stream=False)
 
         return cast(F, wrapper)
 
@@ -1055,20 +1031,15 @@ class Lock:
         return f"<{type(self).__name__} {keys} strategy={strategy}>"
 
 
-class _Releasing:
-    """Release an already acquired lock on leaving, like ``Lock.__exit__``."""
-
-    def __init__(self, lk: Lock) -> None:
-        self.lk = lk
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.lk._exit(self.lk.release, exc)
+@overload
+def lock(key: F) -> F: ...
 
 
-def lock(key: Any = None, **options: Any) -> Any:
+@overload
+def lock(key: LockKey | None = None, **options: Any) -> Lock: ...
+
+
+def lock(key: LockKey | F | None = None, **options: Any) -> Lock | F:
     """Create a :class:`Lock` (see its arguments).
 
     ``@dlock.lock`` without parentheses decorates a function with the key
@@ -1076,4 +1047,4 @@ def lock(key: Any = None, **options: Any) -> Any:
     """
     if not options and (inspect.isfunction(key) or inspect.ismethod(key)):
         return Lock()(key)
-    return Lock(key, **options)
+    return Lock(cast("LockKey | None", key), **options)

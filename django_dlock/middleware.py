@@ -41,35 +41,39 @@ may contain a session key).
 
 from __future__ import annotations
 
-import inspect
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
-from django.conf import settings
-from django.core import checks
-from django.core.checks import CheckMessage, Error
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
-from django_dlock.conf import conf, strategy_error, timeout_error, ttl_error
-from django_dlock.decorators import (
+from django_dlock._http import (
     Contention,
     ContentionPolicy,
     KeyTemplate,
     KeyTemplateError,
-    _is_streaming,
-    contention_policy_error,
-    release_on_close,
-    retry_after_error,
+    aanswer_contention,
+    acall_holding,
+    answer_contention,
+    call_holding,
 )
-from django_dlock.identity import current_holder
+from django_dlock.conf import conf
+from django_dlock.identity import Holder, current_holder
 from django_dlock.locks import Lock
+from django_dlock.validation import (
+    contention_policy_error,
+    retry_after_error,
+    strategy_error,
+    timeout_error,
+    ttl_error,
+)
 
 __all__ = ["LockMiddleware", "Rule", "check_rules", "compile_rules"]
 
@@ -174,10 +178,6 @@ class Rule:
             lock=lk,
             retry_after=self.retry_after,
         )
-
-    def default_status(self) -> int:
-        policy = self.on_contention
-        return policy if isinstance(policy, int) else 423
 
 
 def _session_key(request: HttpRequest, rule: Rule) -> str:
@@ -384,7 +384,10 @@ class LockMiddleware:
         if rule is None or lk is None:
             return None
         if not lk.acquire():
-            return self._contended(rule, lk, request)
+            response: HttpResponseBase = answer_contention(
+                rule.on_contention, rule.contention(lk, request)
+            )
+            return response
         setattr(request, HELD_ATTR, (lk, current_holder()))
         return None
 
@@ -399,146 +402,30 @@ class LockMiddleware:
         if lk is None:
             return None
         if not await lk.aacquire():
-            return await self._acontended(rule, lk, request)
+            response: HttpResponseBase = await aanswer_contention(
+                rule.on_contention, rule.contention(lk, request)
+            )
+            return response
         setattr(request, HELD_ATTR, (lk, current_holder()))
         return None
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.async_mode:
             return self.__acall__(request)
-        try:
-            response = self.get_response(request)
-        except BaseException as exc:
-            held = request.__dict__.pop(HELD_ATTR, None)
-            if held is not None:
-                held[0].__exit__(type(exc), exc, None)
-            raise
-        held = request.__dict__.pop(HELD_ATTR, None)
-        if held is None:
-            return response
-        lk, holder = held
-        if _is_streaming(response):
-            release_on_close(response, lk, holder)
-        else:
-            lk.__exit__(None, None, None)
-        return response
+        return call_holding(lambda: self.get_response(request), lambda: _take_held(request))
 
     async def __acall__(self, request: HttpRequest) -> Any:
-        try:
-            response = await self.get_response(request)
-        except BaseException as exc:
-            held = request.__dict__.pop(HELD_ATTR, None)
-            if held is not None:
-                await held[0].__aexit__(type(exc), exc, None)
-            raise
-        held = request.__dict__.pop(HELD_ATTR, None)
-        if held is None:
-            return response
-        lk, holder = held
-        if _is_streaming(response):
-            release_on_close(response, lk, holder)
-        else:
-            await lk.__aexit__(None, None, None)
-        return response
-
-    def _contended(self, rule: Rule, lk: Lock, request: HttpRequest) -> HttpResponseBase:
-        contention = rule.contention(lk, request)
-        if callable(rule.on_contention):
-            if iscoroutinefunction(rule.on_contention):
-                response: HttpResponseBase = async_to_sync(rule.on_contention)(contention)
-                return response
-            result: HttpResponseBase = rule.on_contention(contention)
-            return result
-        return contention.response(rule.default_status())
-
-    async def _acontended(self, rule: Rule, lk: Lock, request: HttpRequest) -> HttpResponseBase:
-        contention = rule.contention(lk, request)
-        if callable(rule.on_contention):
-            result = rule.on_contention(contention)
-            if inspect.isawaitable(result):
-                result = await result
-            response: HttpResponseBase = result
-            return response
-        return contention.response(rule.default_status())
+        return await acall_holding(lambda: self.get_response(request), lambda: _take_held(request))
 
 
-# -- system checks -------------------------------------------------------------
-
-
-def _middleware_index(middleware: Iterable[str], path: str) -> int | None:
-    for index, entry in enumerate(middleware):
-        if entry == path:
-            return index
-    return None
+def _take_held(request: HttpRequest) -> tuple[Lock, Holder] | None:
+    """The lock that ``process_view`` took for ``request`` (forgotten by the request)."""
+    held: tuple[Lock, Holder] | None = request.__dict__.pop(HELD_ATTR, None)
+    return held
 
 
 def check_rules() -> list[CheckMessage]:
-    """dlock.E020-E027, dlock.W020-W023: the rules and the middleware's place."""
-    raw = getattr(settings, "DLOCK_MIDDLEWARE_RULES", [])
-    messages: list[CheckMessage] = []
-    problems = rule_problems(raw)
-    hint = 'See "Views and middleware" in the django-dlock docs (DLOCK_MIDDLEWARE_RULES).'
-    messages.extend(Error(message, hint=hint, id=check_id) for check_id, message in problems)
-    middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
-    ours = _middleware_index(middleware, MIDDLEWARE_PATH)
-    rules = raw if isinstance(raw, (list, tuple)) and not problems else []
-    if rules and ours is None:
-        messages.append(
-            checks.Warning(
-                "DLOCK_MIDDLEWARE_RULES is set but LockMiddleware is not in MIDDLEWARE, "
-                "so no rule applies.",
-                hint=f"Add {MIDDLEWARE_PATH!r} to MIDDLEWARE (after the session and "
-                "authentication middleware).",
-                id="dlock.W020",
-            )
-        )
-    if ours is not None and not raw:
-        messages.append(
-            checks.Warning(
-                "LockMiddleware is in MIDDLEWARE but DLOCK_MIDDLEWARE_RULES is empty, so it "
-                "does nothing.",
-                hint="Add rules to DLOCK_MIDDLEWARE_RULES, or remove the middleware.",
-                id="dlock.W022",
-            )
-        )
-    csrf = _middleware_index(middleware, CSRF_MIDDLEWARE)
-    if rules and ours is not None and csrf is not None and csrf > ours:
-        messages.append(
-            checks.Warning(
-                "LockMiddleware comes before CsrfViewMiddleware in MIDDLEWARE: a POST that "
-                "fails the CSRF check takes the lock (and writes a lease row) before it is "
-                "refused.",
-                hint=f"Put {MIDDLEWARE_PATH!r} after {CSRF_MIDDLEWARE!r}.",
-                id="dlock.W023",
-            )
-        )
-    for index, rule in enumerate(rules):
-        names = set(KeyTemplate.parse(rule["key"]).names)
-        needed = []
-        if names & {"user", "session"}:
-            needed.append(SESSION_MIDDLEWARE)
-        if "user" in names:
-            needed.append(AUTH_MIDDLEWARE)
-        for path in needed:
-            place = _middleware_index(middleware, path)
-            if ours is not None and (place is None or place > ours):
-                messages.append(
-                    Error(
-                        f"DLOCK_MIDDLEWARE_RULES[{index}] uses "
-                        f"{'{user}' if 'user' in names else '{session}'}, which needs {path} "
-                        "before LockMiddleware in MIDDLEWARE.",
-                        hint=f"Put {path!r} before {MIDDLEWARE_PATH!r}.",
-                        id="dlock.E027",
-                    )
-                )
-        if rule.get("on_contention") == "wait" and "timeout" in rule and rule["timeout"] is None:
-            messages.append(
-                checks.Warning(
-                    f"DLOCK_MIDDLEWARE_RULES[{index}] waits without limit "
-                    '(on_contention="wait", timeout=None): a request may hold a worker '
-                    "for as long as another holds the lock.",
-                    hint="Give a timeout in seconds.",
-                    id="dlock.W021",
-                )
-            )
-    return messages
+    """dlock.E020-E027, dlock.W020-W023 (see :func:`django_dlock.checks.middleware_messages`)."""
+    from django_dlock.checks import middleware_messages
+
+    return middleware_messages()

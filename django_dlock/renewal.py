@@ -27,9 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from django.db import connections
-
-from django_dlock.strategies.base import close_private_connections
+from django_dlock._threads import close_thread_connections
 
 logger = logging.getLogger("django_dlock")
 
@@ -83,8 +81,7 @@ class Renewer(threading.Thread):
         except BaseException as exc:  # kept for stop() to re-raise
             self._error = exc
         finally:
-            connections[self.alias].close()
-            close_private_connections()
+            close_thread_connections(self.alias)
 
     def _loop(self) -> None:
         lease_end = time.monotonic() + self.ttl  # our estimate, for retries only

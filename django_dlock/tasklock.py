@@ -34,10 +34,11 @@ from django.db import connections
 
 from django_dlock import signals
 from django_dlock.keys import Key
-from django_dlock.locks import Lock, _number_or_none
+from django_dlock.locks import Lock
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Request
 from django_dlock.strategies.lease import LeaseStrategy
+from django_dlock.validation import seconds_or_none
 
 __all__ = ["TaskLock"]
 
@@ -49,8 +50,14 @@ T = TypeVar("T")
 class _HoldAtLeast(LeaseStrategy):
     """The lease strategy whose release keeps the lease until ``acquired_at + min_hold``."""
 
+    # The Strategy protocol's two members (to move into LeaseStrategy itself).
+    transaction_scoped = False
+
     def __init__(self, min_hold: float) -> None:
         self.min_hold = min_hold
+
+    def ended(self, req: Request) -> bool:
+        return False  # a lease ends by release, expiry or takeover, never on its own
 
     def release(self, req: Request) -> bool:
         return self.release_after(req, self.min_hold)
@@ -99,9 +106,9 @@ class TaskLock(Lock):
         max_hold: float | None = None,
         using: str | None = None,
     ) -> None:
-        low = _number_or_none(min_hold, "min_hold", allow_zero=True)
+        low = seconds_or_none(min_hold, "min_hold", allow_zero=True)
         self.min_hold = 0.0 if low is None else low
-        high = _number_or_none(max_hold, "max_hold", allow_zero=False)
+        high = seconds_or_none(max_hold, "max_hold", allow_zero=False)
         if high is not None and self.min_hold > high:
             raise ValueError(
                 f"min_hold ({self.min_hold:g} s) must not exceed max_hold ({high:g} s): "
@@ -154,9 +161,9 @@ class TaskLock(Lock):
         self._skipped()
         return False
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self._holdings():
-            self._exit(self.release, exc)
+    def _leave(self, exc: BaseException | None) -> None:
+        if self._holdings():  # a skipped block holds nothing
+            super()._leave(exc)
 
     async def __aenter__(self) -> bool:  # type: ignore[override]
         if await self.aacquire():
@@ -164,9 +171,9 @@ class TaskLock(Lock):
         self._skipped()
         return False
 
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    async def _aleave(self, exc: BaseException | None) -> None:
         if self._holdings():
-            await super().__aexit__(exc_type, exc, tb)
+            await super()._aleave(exc)
 
     # -- explicit forms ------------------------------------------------------
 

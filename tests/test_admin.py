@@ -17,7 +17,7 @@ import django_dlock as dlock
 from django_dlock import signals
 from django_dlock.keys import hash64
 from django_dlock.models import Lock as LockRow
-from django_dlock.override import advisory_key
+from django_dlock.operations import advisory_key
 
 from .factories import LockFactory as _LockFactory
 

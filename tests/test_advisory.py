@@ -640,7 +640,7 @@ def test_a_failed_statement_is_a_named_error_and_holds_nothing():
 
 
 def test_check_e010_advisory_needs_postgresql():
-    from django_dlock.strategies.support import database_messages
+    from django_dlock.checks import database_messages
 
     for strategy in ("advisory", "advisory_xact"):
         assert [m.id for m in database_messages(strategy, "x", {}, "sqlite")] == ["dlock.E010"]

@@ -519,7 +519,7 @@ def test_advisory_on_sqlite_names_both_databases_that_can():
 
 
 def test_checks_advisory_runs_on_mysql_advisory_xact_is_e013():
-    from django_dlock.strategies.support import database_messages
+    from django_dlock.checks import database_messages
 
     assert database_messages("advisory", "x", {}, "mysql") == []
     assert [m.id for m in database_messages("advisory", "x", {}, "sqlite")] == ["dlock.E010"]
@@ -602,7 +602,7 @@ def test_dlock_list_shows_get_lock_locks_and_dlock_show_the_holder(metadata_lock
 
 
 def test_dlock_list_says_what_it_cannot_show():
-    from django_dlock import override
+    from django_dlock import operations as override
 
     if override.user_locks(DB).source == "performance_schema.metadata_locks":
         with mlock("shown"):  # a server that records user locks shows them there

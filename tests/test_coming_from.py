@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 def seconds_left(alias: str, name: str) -> float:
     """Seconds until the lease ends, on the database clock."""
-    from django_dlock import override
+    from django_dlock import operations as override
 
     lease = override.find_lease(alias, name)
     assert lease is not None

@@ -19,7 +19,8 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 import django_dlock as dlock
-from django_dlock import override, signals
+from django_dlock import operations as override
+from django_dlock import signals
 from django_dlock.decorators import fit_key
 from django_dlock.keys import MAX_NAME_LENGTH, make_key
 from django_dlock.models import Lock as LockRow

@@ -11,7 +11,8 @@ from django.test import override_settings
 from prometheus_client import REGISTRY, generate_latest
 
 import django_dlock as dlock
-from django_dlock import metrics, override, signals
+from django_dlock import metrics, signals
+from django_dlock import operations as override
 from django_dlock.checks import check_metrics
 
 from .helpers import in_thread, wait_until

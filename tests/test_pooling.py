@@ -25,10 +25,10 @@ from django.test.utils import override_settings
 
 import django_dlock as dlock
 from django_dlock import notify, sessions
+from django_dlock.checks import database_messages
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
-from django_dlock.strategies.support import database_messages
 
 from . import pgbouncer, procs
 from .helpers import in_thread, run_threads, wait_until

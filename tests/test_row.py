@@ -226,7 +226,7 @@ def test_inspection_holds_nothing(db):
 
 
 def test_check_e011_row_needs_row_locks():
-    from django_dlock.strategies.support import database_messages
+    from django_dlock.checks import database_messages
 
     assert [m.id for m in database_messages("row", "x", {}, "sqlite")] == ["dlock.E011"]
     assert database_messages("row", "x", {}, "postgresql") == []

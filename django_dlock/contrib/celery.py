@@ -41,6 +41,7 @@ from typing import Any
 from celery import Task
 
 from django_dlock import signals
+from django_dlock._http import guarded_call
 from django_dlock.conf import conf
 from django_dlock.locks import Lock
 from django_dlock.tasklock import TaskLock
@@ -112,15 +113,10 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         lk = self._lock(self.lock_key(args, kwargs))
-        if not lk.acquire():
-            return self._locked(lk)
-        try:
-            result = super().__call__(*args, **kwargs)
-        except BaseException as exc:
-            lk.__exit__(type(exc), exc, None)
-            raise
-        lk.__exit__(None, None, None)
-        return result
+        run = super().__call__
+        return guarded_call(
+            lk, lambda: run(*args, **kwargs), lambda: self._locked(lk), stream=False
+        )
 
     def _locked(self, lk: Lock) -> Any:
         if self.once_per is None and self.on_locked == "retry":

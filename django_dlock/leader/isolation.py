@@ -1,22 +1,32 @@
-"""``LeaderElection.run(target, isolate=True)``: the target in a child process."""
+"""``LeaderElection.run(target, isolate=True)``: the target in a child process.
+
+Both sides: :func:`run_isolated` (the leader's process: start the child,
+send it each new deadline, stop it when the term is lost) and
+:func:`_isolated_main` (the child: set Django up, run the target, answer).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import connections
 
 from django_dlock.exceptions import DLockError
 from django_dlock.leader.leadership import Leadership, _current, _now
 
-__all__ = ["TargetDied"]
+__all__ = ["TargetDied", "run_isolated"]
+
+logger = logging.getLogger("django_dlock")
+
+T = TypeVar("T")
 
 
 class TargetDied(DLockError):
@@ -129,3 +139,80 @@ def _isolated_main(
     except Exception as exc:  # the value or the exception cannot be pickled
         conn.send(("raised", TargetDied(f"the isolated target's answer cannot be sent: {exc!r}")))
     conn.close()
+
+
+def run_isolated(
+    target: Callable[[Leadership], T], leadership: Leadership, name: str, grace: float
+) -> T:
+    """Run ``target`` for ``leadership`` in a child process (the leader's side).
+
+    The child gets each new deadline and, on a graceful stop, the request to
+    finish; when the term is lost it is stopped (SIGTERM, then SIGKILL after
+    ``grace`` seconds).
+    """
+    import multiprocessing.connection
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(
+        target=_isolated_main,
+        args=(
+            theirs,
+            os.environ.get("DJANGO_SETTINGS_MODULE", ""),
+            target,
+            (leadership.name, leadership.term, leadership.identity),
+            leadership._valid_until,
+        ),
+        name=f"django-dlock-isolated {name}",
+        daemon=True,
+    )
+    child.start()
+    theirs.close()
+    sent_until = leadership._valid_until
+    told_to_finish = False
+    try:
+        while True:
+            ready = multiprocessing.connection.wait([ours, child.sentinel], timeout=0.05)
+            if ours in ready:
+                try:
+                    kind, value = ours.recv()
+                except (EOFError, OSError):
+                    kind, value = "died", None
+                if kind == "returned":
+                    result: T = value
+                    return result
+                if kind == "raised":
+                    assert isinstance(value, BaseException)
+                    raise value
+            elif child.sentinel in ready and not ours.poll():
+                kind = "died"
+            else:
+                kind = ""
+            if kind == "died":
+                child.join(grace)
+                if leadership.ended:
+                    leadership.check()
+                raise TargetDied(
+                    f"the isolated target of {name!r} (pid {child.pid}) ended "
+                    f"without an answer (exit code {child.exitcode})"
+                )
+            if leadership.ended and not leadership.stepping_down:
+                logger.warning(
+                    "django-dlock: %s: term %s is over; stopping its isolated target (pid %s)",
+                    name,
+                    leadership.term,
+                    child.pid,
+                )
+                _stop_process(child, grace)
+                leadership.check()
+            with contextlib.suppress(OSError):
+                if leadership._valid_until != sent_until:
+                    sent_until = leadership._valid_until
+                    ours.send(("until", sent_until))
+                if leadership.stepping_down and not told_to_finish:
+                    told_to_finish = True
+                    ours.send(("end", leadership.reason))
+    finally:
+        ours.close()
+        if child.is_alive():
+            _stop_process(child, grace)

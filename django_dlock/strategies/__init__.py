@@ -5,8 +5,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from django_dlock.conf import strategy_error
 from django_dlock.exceptions import StrategyNotSupported
+from django_dlock.validation import strategy_error
 
 if TYPE_CHECKING:
     from django_dlock.strategies.base import Strategy

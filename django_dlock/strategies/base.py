@@ -54,6 +54,16 @@ class Strategy(Protocol):
     #: holdings of strategies with the same family are the same lock for
     #: re-entrancy (a holder that holds "x" by ``lease`` re-enters "x" by lease)
     family: str
+    #: held until the caller's transaction ends (``row``, ``advisory_xact``):
+    #: needs ``transaction.atomic``, and cannot be released early
+    transaction_scoped: bool
+
+    def ended(self, req: Request) -> bool:
+        """Whether the database has dropped the lock on its own (no query).
+
+        True once the transaction of a transaction-scoped holding has ended;
+        always False for the other strategies.
+        """
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         """Raise :class:`StrategyNotSupported` if ``connection`` cannot do it."""

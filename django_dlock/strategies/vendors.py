@@ -69,6 +69,12 @@ class ByVendor:
             )
         return found
 
+    #: advisory locks are session-level on every vendor
+    transaction_scoped = False
+
+    def ended(self, req: Request) -> bool:
+        return False  # a session lock ends only when released or its session ends
+
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         self._for(connection.alias).check_supported(connection)
 

@@ -10,7 +10,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, connections
 
 from django_dlock import cleanup
-from django_dlock.override import default_alias
+from django_dlock.operations import default_alias
 
 
 class Command(BaseCommand):

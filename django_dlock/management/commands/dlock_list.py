@@ -12,7 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
-from django_dlock import override
+from django_dlock import operations as override
 
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:

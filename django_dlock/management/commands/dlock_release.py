@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_dlock import override
+from django_dlock import operations as override
 from django_dlock.management.commands.dlock_list import resolve_alias
 
 

@@ -26,12 +26,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections, router
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import BooleanField, Case, FloatField, Func, Q, QuerySet, Value, When
 from django.db.models.sql.compiler import SQLCompiler
 
 from django_dlock import dbclock, signals
+from django_dlock.conf import lock_alias
 from django_dlock.dbclock import DbNow
 from django_dlock.keys import hash64
 from django_dlock.models import Lock
@@ -55,7 +56,7 @@ __all__ = [
 
 logger = logging.getLogger("django_dlock")
 
-TABLE = "django_dlock_lock"
+TABLE = Lock._meta.db_table
 NOTIFY_CHANNEL = "django_dlock"
 TOKEN_PREFIX = 8
 
@@ -71,7 +72,7 @@ SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
 
 def default_alias() -> str:
     """The database the lease rows live in (the router's choice for ``Lock``)."""
-    return router.db_for_write(Lock) or "default"
+    return lock_alias()
 
 
 class SecondsLeft(Func):

@@ -1,0 +1,206 @@
+"""Every argument and setting validator, one function per kind of value.
+
+The same functions serve the system checks (at start-up) and the objects
+that take the value (before any SQL runs), so a value is judged the same
+way wherever it comes from. A ``*_error`` function returns why a value is
+invalid, or ``None``; :func:`validated` turns that into a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "JITTER",
+    "MAX_SECONDS",
+    "STRATEGIES",
+    "bool_error",
+    "contention_policy_error",
+    "direct_databases_error",
+    "positive_seconds",
+    "retry_after_error",
+    "retry_interval_error",
+    "seconds_or_none",
+    "strategy_error",
+    "timeout_error",
+    "ttl_error",
+    "validate_timing",
+    "validated",
+]
+
+#: the strategies a lock can use
+STRATEGIES = ("lease", "row", "advisory", "advisory_xact")
+
+#: the longest lease (and hold) in seconds, about 31 years: every database
+#: can add it to its clock (longer ones overflow a date or an interval)
+MAX_SECONDS = 1e9
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def ttl_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid lease TTL, or ``None``."""
+    if not _is_number(value):
+        return f"ttl must be a number of seconds, not {type(value).__name__}"
+    assert isinstance(value, (int, float))
+    if not math.isfinite(value) or value <= 0:
+        return f"ttl must be a finite number of seconds > 0, got {value!r}"
+    if value > MAX_SECONDS:
+        return f"ttl must be at most {MAX_SECONDS:g} seconds (about 31 years), got {value!r}"
+    return None
+
+
+def timeout_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid timeout (None, or seconds >= 0)."""
+    if value is None:
+        return None
+    if not _is_number(value):
+        return f"timeout must be None or a number of seconds, not {type(value).__name__}"
+    assert isinstance(value, (int, float))
+    if math.isnan(value) or value < 0:
+        return f"timeout must be None (wait forever) or seconds >= 0, got {value!r}"
+    return None
+
+
+def retry_interval_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid retry policy, or ``None``."""
+    if callable(value):
+        return None
+    if not _is_number(value):
+        return (
+            "retry_interval must be seconds (a number) or a function of the attempt "
+            f"number, not {type(value).__name__}"
+        )
+    assert isinstance(value, (int, float))
+    if not math.isfinite(value) or value < 0:
+        return f"retry_interval must be a finite number of seconds >= 0, got {value!r}"
+    if value > MAX_SECONDS:
+        return f"retry_interval must be at most {MAX_SECONDS:g} seconds, got {value!r}"
+    return None
+
+
+def bool_error(value: object) -> str | None:
+    """Return why ``value`` is not a bool, or ``None``."""
+    if not isinstance(value, bool):
+        return f"must be True or False, not {type(value).__name__}"
+    return None
+
+
+def strategy_error(value: object) -> str | None:
+    """Return why ``value`` is not a known strategy name, or ``None``."""
+    if value not in STRATEGIES:
+        return f"unknown strategy {value!r}; choose one of {', '.join(STRATEGIES)}"
+    return None
+
+
+def direct_databases_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid ``DLOCK_DIRECT_DATABASES``, or ``None``."""
+    if not isinstance(value, dict):
+        return f"must be a dict of database aliases, not {type(value).__name__}"
+    from django.db import connections
+
+    for alias, direct in value.items():
+        for name in (alias, direct):
+            if not isinstance(name, str) or name not in connections:
+                return f"{name!r} is not a database alias (known: {', '.join(connections)})"
+        if alias == direct:
+            return f"{alias!r} maps to itself"
+    return None
+
+
+def validated(problem: str | None) -> None:
+    """Raise ``ValueError(problem)`` unless ``problem`` is ``None``."""
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def seconds_or_none(value: object, what: str, allow_zero: bool) -> float | None:
+    """``value`` as float seconds (``None`` stays ``None``), at most :data:`MAX_SECONDS`.
+
+    Raises:
+        ValueError: not a finite number of seconds > 0 (>= 0 with ``allow_zero``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be a finite number of seconds {bound}, got {value!r}")
+    if value > MAX_SECONDS:
+        raise ValueError(f"{what} must be at most {MAX_SECONDS:g} seconds, got {value!r}")
+    return float(value)
+
+
+def positive_seconds(value: object, what: str) -> float:
+    """``value`` as float seconds > 0 (no upper bound).
+
+    Raises:
+        ValueError: not a finite number of seconds > 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+#: Kubernetes' jitter factor: renew_deadline must exceed retry * JITTER
+JITTER = 1.2
+
+
+def validate_timing(
+    lease: object, renew_deadline: object, retry: object
+) -> tuple[float, float, float]:
+    """Check ``lease > renew_deadline > retry * 1.2``; return the three as floats.
+
+    Raises:
+        ValueError: a value is not a positive number, or the rule is broken.
+    """
+    lease_s = positive_seconds(lease, "lease")
+    deadline_s = positive_seconds(renew_deadline, "renew_deadline")
+    retry_s = positive_seconds(retry, "retry")
+    if not lease_s > deadline_s:
+        raise ValueError(
+            f"lease ({lease_s:g} s) must be greater than renew_deadline ({deadline_s:g} s): "
+            "a leader must give up before its lease can be taken over"
+        )
+    if not deadline_s > retry_s * JITTER:
+        raise ValueError(
+            f"renew_deadline ({deadline_s:g} s) must be greater than retry * {JITTER} "
+            f"({retry_s * JITTER:g} s): a leader must get more than one renewal attempt "
+            "before its deadline"
+        )
+    return lease_s, deadline_s, retry_s
+
+
+def retry_after_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid ``retry_after`` (None or int >= 0)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"retry_after must be None or whole seconds >= 0, got {value!r}"
+    return None
+
+
+def contention_policy_error(value: object, timeout: object) -> str | None:
+    """Return why ``value`` is not a valid ``on_contention``, or ``None``."""
+    if callable(value):
+        return None
+    if value == "wait":
+        if timeout == 0:
+            return (
+                'on_contention="wait" needs a timeout: seconds > 0, or None to wait '
+                "without limit (the default timeout=0 never waits)"
+            )
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return (
+            'on_contention must be an HTTP status code, "wait" or a callable '
+            f"(Contention) -> response, not {value!r}"
+        )
+    if not 400 <= value <= 599:
+        return f"on_contention status must be an HTTP error status (400-599), got {value}"
+    return None

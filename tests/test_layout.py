@@ -1,0 +1,76 @@
+"""The package layout: old import paths keep working, checks run from one registry,
+and database threads close what they opened."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.core import checks
+from django.db import connections
+from django.test import override_settings
+
+from django_dlock._threads import SerialThread, start_db_thread
+
+from .helpers import wait_until
+
+
+def test_moved_names_stay_importable_from_their_documented_homes():
+    from django_dlock import _http, conf, decorators, leader, validation
+    from django_dlock.leader import campaign
+
+    for name in ("Contention", "KeyTemplate", "KeyTemplateError", "MissingKeyArgument"):
+        assert getattr(decorators, name) is getattr(_http, name)
+    assert decorators.locked_response is _http.locked_response
+    assert decorators.fit_key is _http.fit_key
+    for name in ("ttl_error", "timeout_error", "strategy_error", "MAX_SECONDS", "STRATEGIES"):
+        assert getattr(conf, name) is getattr(validation, name)
+    assert leader.validate_timing is validation.validate_timing
+    assert leader.JITTER == validation.JITTER == 1.2
+    assert leader.EXPIRY_MARGIN is campaign.EXPIRY_MARGIN
+
+
+def test_every_check_is_registered_including_the_direct_databases_one():
+    with override_settings(DLOCK_DIRECT_DATABASES={"default": "nope"}):
+        found = [m.id for m in checks.run_checks() if m.id and m.id.startswith("dlock.")]
+    assert "dlock.E050" in found
+    with override_settings(DLOCK_DEFAULT_TTL=0):
+        found = [m.id for m in checks.run_checks() if m.id and m.id.startswith("dlock.")]
+    assert "dlock.E002" in found
+
+
+def _backend_gone(pid: int) -> bool:
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+        return bool(cur.fetchone()[0] == 0)
+
+
+def _pid_in_thread() -> int:
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        pid: int = cur.fetchone()[0]
+    return pid
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_thread_closes_its_connection_when_it_ends():
+    pids: list[int] = []
+    start_db_thread(lambda: pids.append(_pid_in_thread()), "test-db-thread").join()
+    assert len(pids) == 1
+    wait_until(lambda: _backend_gone(pids[0]))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_serial_thread_runs_calls_in_order_then_closes_its_connection():
+    pids: list[int] = []
+    order: list[int] = []
+    exited = threading.Event()
+    worker = SerialThread("test-serial", alias="default", on_exit=exited.set)
+    for n in range(5):
+        worker.post(lambda n=n: order.append(n))
+    worker.post(lambda: pids.append(_pid_in_thread()))
+    worker.close()
+    worker.join(30)
+    assert order == [0, 1, 2, 3, 4]
+    assert exited.is_set()
+    wait_until(lambda: _backend_gone(pids[0]))
