@@ -335,3 +335,17 @@ def test_processes_exclude_each_other_while_a_database_goes_down_and_back(tmp_pa
     assert sorted(v for v, _ in seen) == list(range(1, total + 1))
     fences = [fence for _, fence in sorted(seen)]
     assert all(a < b for a, b in zip(fences, fences[1:], strict=False))
+
+
+# -- system checks ------------------------------------------------------------------
+
+
+@pytest.mark.django_db(databases=DATABASES)
+def test_checks_report_bad_and_even_quorums_and_pass_good_ones(settings):
+    from django_dlock.checks import check_quorums
+
+    settings.DLOCK_QUORUMS = [["q1", "q2", "q3"], ["q1", "q2"], ["q1", "q1", "q2"]]
+    ids = [message.id for message in check_quorums(databases=QUORUM)]
+    assert ids.count("dlock.W060") == 1  # ["q1", "q2"]: even
+    assert ids.count("dlock.E060") == 1  # q1 twice
+    assert "dlock.E061" not in ids  # every database has the lock table

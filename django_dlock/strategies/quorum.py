@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from django.core.checks import CheckMessage
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -142,7 +143,71 @@ def quorum_aliases(using: object) -> tuple[str, ...]:
             f"using={list(aliases)!r}: {first!r} and {second!r} are the same database "
             "(same ENGINE, HOST, PORT and NAME); a quorum needs independent databases"
         )
+    declared.add(aliases)
     return aliases
+
+
+#: every quorum a lock was created with (the system checks look at them)
+declared: set[tuple[str, ...]] = set()
+
+
+def quorum_problems(databases: Sequence[str]) -> list[CheckMessage]:
+    """System check messages for the quorums in use (see ``checks.check_quorums``).
+
+    The quorums are those of ``DLOCK_QUORUMS`` (a list of alias lists) and
+    those of every lock created so far with ``using=[...]``. With
+    ``databases`` (``check --database``), each of their databases must have
+    the lock table.
+    """
+    from django.conf import settings
+    from django.core.checks import Error, Warning
+
+    found: list[CheckMessage] = []
+    quorums = [tuple(q) for q in getattr(settings, "DLOCK_QUORUMS", ())] + sorted(declared)
+    for aliases in dict.fromkeys(quorums):
+        try:
+            quorum_aliases(list(aliases))
+        except ValueError as exc:
+            found.append(
+                Error(
+                    f"The quorum {list(aliases)!r} is invalid: {exc}.",
+                    hint="List distinct aliases of independent databases (each on its own "
+                    "server, or at least its own database).",
+                    id="dlock.E060",
+                )
+            )
+            continue
+        if len(aliases) % 2 == 0:
+            found.append(
+                Warning(
+                    f"The quorum {list(aliases)!r} has an even number of databases: "
+                    f"{majority(len(aliases))} of {len(aliases)} are needed, so it survives "
+                    f"no more failures than {len(aliases) - 1} databases would.",
+                    hint="Use an odd number of databases (3 or 5).",
+                    id="dlock.W060",
+                )
+            )
+        for alias in aliases:
+            if alias in databases and not _has_lock_table(alias):
+                found.append(
+                    Error(
+                        f"The database {alias!r} of the quorum {list(aliases)!r} has no "
+                        "django-dlock lock table.",
+                        hint=f"Run `manage.py migrate django_dlock --database {alias}`.",
+                        id="dlock.E061",
+                    )
+                )
+    return found
+
+
+def _has_lock_table(alias: str) -> bool:
+    from django.db import DatabaseError
+
+    try:
+        with connections[alias].cursor() as cur:
+            return TABLE in connections[alias].introspection.table_names(cur)
+    except DatabaseError:
+        return True  # unreachable: Django's own checks say so
 
 
 _strategies: dict[tuple[tuple[str, ...], float | None], QuorumLease] = {}
@@ -291,6 +356,8 @@ class _Round:
     accepted: dict[str, Any] = dataclasses.field(default_factory=dict)
     refused: set[str] = dataclasses.field(default_factory=set)
     failed: dict[str, BaseException] = dataclasses.field(default_factory=dict)
+    #: the round's time ran out (the silent databases count as down)
+    timed_out: bool = False
 
     @property
     def silent(self) -> set[str]:
@@ -342,6 +409,7 @@ def _run_round(
         if len(result.refused) + len(result.failed) > len(aliases) - need:
             break
         if not done:  # the round's time is up
+            result.timed_out = True
             break
     return result
 
@@ -439,7 +507,8 @@ class QuorumLease:
 
     def _gave_up(self, req: Request, last: Grant | _Round) -> Grant | None:
         assert isinstance(last, _Round)
-        answered = len(last.accepted) + len(last.refused)
+        down = len(last.failed) + (len(last.silent) if last.timed_out else 0)
+        answered = len(self.aliases) - down
         if answered < self.need:
             raise QuorumUnavailable(
                 f"could not acquire {req.key.name!r}: only {answered} of "
@@ -597,7 +666,7 @@ class QuorumLease:
             return lambda c: execute(c, _owned_sql(c, token is not None), params)[0] is not None
 
         end = time.monotonic() + ROUND_FLOOR
-        return _run_round(self.aliases, max(ttl, ROUND_FLOOR), end, ask_on, bool, self.need)
+        return _run_round(self.aliases, max(ttl, ROUND_FLOOR), end, ask_on, bool, len(self.aliases))
 
     def loss_reason(self, req: Request) -> str:
         return "a majority of its databases no longer has its lease"
