@@ -349,3 +349,16 @@ def test_checks_report_bad_and_even_quorums_and_pass_good_ones(settings):
     assert ids.count("dlock.W060") == 1  # ["q1", "q2"]: even
     assert ids.count("dlock.E060") == 1  # q1 twice
     assert "dlock.E061" not in ids  # every database has the lock table
+
+
+def test_with_lock_takes_a_quorum_and_refuses_a_bad_one():
+    from django_dlock.decorators import with_lock
+
+    @with_lock("q-job:{n}", using=QUORUM, ttl=30)
+    def job(n: int) -> bool:
+        return bool(dlock.lock(f"q-job:{n}", using=QUORUM).held())
+
+    assert job(1) is True
+    assert not dlock.lock("q-job:1", using=QUORUM).locked()
+    with pytest.raises(ValueError, match="more than once"):
+        with_lock("q-job:{n}", using=["q1", "q1"])
