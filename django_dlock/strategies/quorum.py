@@ -382,6 +382,7 @@ def _run_round(
     op: Callable[[str], Callable[[BaseDatabaseWrapper], Any]],
     accepts: Callable[[Any], bool],
     need: int,
+    wait_all: bool = False,
 ) -> _Round:
     """Send ``op`` to every database at once; return when a majority has decided or at ``end``."""
     budget = max(0.0, end - time.monotonic())
@@ -404,9 +405,10 @@ def _run_round(
                 result.accepted[alias] = future.result()
             else:
                 result.refused.add(alias)
-        if len(result.accepted) >= need:
-            break
-        if len(result.refused) + len(result.failed) > len(aliases) - need:
+        decided = len(result.accepted) >= need or (
+            len(result.refused) + len(result.failed) > len(aliases) - need
+        )
+        if decided and not wait_all:
             break
         if not done:  # the round's time is up
             result.timed_out = True
@@ -561,7 +563,7 @@ class QuorumLease:
             return run
 
         done = _run_round(
-            aliases, mine.ttl, validity_end, raise_on, lambda rows: rows > 0, len(aliases)
+            aliases, mine.ttl, validity_end, raise_on, lambda rows: rows > 0, 1, wait_all=True
         )
         return set(done.accepted)
 
@@ -617,7 +619,8 @@ class QuorumLease:
             give_back = functools.partial(self._give_back_on, alias, mine)
             held.first[alias].add_done_callback(give_back)
         answering = [alias for alias in self.aliases if alias not in late]
-        answer = _run_round(answering, req.ttl, end, release_on, bool, len(answering))
+        # Done when a majority has released: the others finish in the background.
+        answer = _run_round(answering, req.ttl, end, release_on, bool, self.need)
         return self._counts(held, answer)
 
     def extend(self, req: Request, ttl: float) -> bool:
@@ -632,7 +635,7 @@ class QuorumLease:
         def extend_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
             return lambda connection: lease._extend_on(connection, mine, ttl)
 
-        answer = _run_round(self.aliases, ttl, end, extend_on, bool, len(self.aliases))
+        answer = _run_round(self.aliases, ttl, end, extend_on, bool, self.need, wait_all=True)
         if len(answer.accepted) >= self.need and time.monotonic() < validity_end:
             with self._mutex:
                 held.aliases = frozenset(answer.accepted)
@@ -666,7 +669,8 @@ class QuorumLease:
             return lambda c: execute(c, _owned_sql(c, token is not None), params)[0] is not None
 
         end = time.monotonic() + ROUND_FLOOR
-        return _run_round(self.aliases, max(ttl, ROUND_FLOOR), end, ask_on, bool, len(self.aliases))
+        ttl = max(ttl, ROUND_FLOOR)
+        return _run_round(self.aliases, ttl, end, ask_on, bool, self.need, wait_all=True)
 
     def loss_reason(self, req: Request) -> str:
         return "a majority of its databases no longer has its lease"
