@@ -158,7 +158,7 @@ def check_poolers(**kwargs: Any) -> list[CheckMessage]:
     return found
 
 
-@register(Tags.compatibility, Tags.database)
+@register(Tags.compatibility)
 def check_quorums(**kwargs: Any) -> list[CheckMessage]:
     """dlock.E060, E061, W060: the quorums in use (``using=[...]``, ``DLOCK_QUORUMS``).
 

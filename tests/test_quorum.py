@@ -363,3 +363,28 @@ def test_with_lock_takes_a_quorum_and_refuses_a_bad_one():
     assert not dlock.lock("q-job:1", using=QUORUM).locked()
     with pytest.raises(ValueError, match="more than once"):
         with_lock("q-job:{n}", using=["q1", "q1"])
+
+
+def test_check_e061_a_database_of_a_quorum_without_the_lock_table(settings):
+    from django_dlock.checks import check_quorums
+
+    settings.DLOCK_QUORUMS = [QUORUM]
+    with connections["q3"].cursor() as cur:
+        cur.execute("ALTER TABLE django_dlock_lock RENAME TO django_dlock_lock_away")
+    try:
+        messages = check_quorums(databases=QUORUM)
+        without_database = check_quorums()  # only `check --database` connects
+    finally:
+        with connections["q3"].cursor() as cur:
+            cur.execute("ALTER TABLE django_dlock_lock_away RENAME TO django_dlock_lock")
+    e061 = [m for m in messages if m.id == "dlock.E061"]
+    assert len(e061) == 1 and "'q3'" in e061[0].msg
+    assert "dlock.E061" not in [m.id for m in without_database]
+
+
+@pytest.mark.django_db(databases=[])
+def test_quorum_checks_run_with_django_checks(settings):
+    from django.core import checks
+
+    settings.DLOCK_QUORUMS = [["q1", "q2"]]
+    assert "dlock.W060" in [m.id for m in checks.run_checks()]
