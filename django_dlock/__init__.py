@@ -16,6 +16,7 @@ from django_dlock.exceptions import (
     LockNotOwned,
     LockReentrantError,
     LockTimeout,
+    QuorumUnavailable,
     StrategyNotSupported,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "LockNotOwned",
     "LockReentrantError",
     "LockTimeout",
+    "QuorumUnavailable",
     "StrategyNotSupported",
     "TaskLock",
     "__version__",

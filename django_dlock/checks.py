@@ -367,3 +367,15 @@ def middleware_messages() -> list[CheckMessage]:
                 )
             )
     return messages
+
+
+@register(Tags.compatibility)
+def check_quorums(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E060, E061, W060: the quorums in use (``using=[...]``, ``DLOCK_QUORUMS``).
+
+    E061 (the lock table is missing on a database of a quorum) connects, so
+    it runs only with ``check --database``.
+    """
+    from django_dlock.strategies.quorum import quorum_problems
+
+    return quorum_problems(kwargs.get("databases") or [])

@@ -87,12 +87,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def options_error(
-    *, timeout: object, ttl: object, strategy: object, using: str | None
+    *, timeout: object, ttl: object, strategy: object, using: object
 ) -> Exception | None:
     """The error for explicit lock options that are invalid, or ``None``.
 
     Reads no ``DLOCK_*`` setting: only the values given are checked.
     """
+    if using is not None and not isinstance(using, str):  # a quorum: using=[...]
+        from django_dlock.locks import _quorum_of
+
+        try:
+            _quorum_of(using, strategy if isinstance(strategy, str) else None)
+        except (ValueError, StrategyNotSupported) as exc:
+            return exc
+        using = None
     if strategy is not None:
         problem = strategy_error(strategy)
         if problem is not None:
@@ -163,7 +171,7 @@ class _WithLock:
         timeout: float | None,
         ttl: float | None,
         strategy: str | None,
-        using: str | None,
+        using: str | list[str] | tuple[str, ...] | None,
         on_contention: ContentionPolicy,
         retry_after: int | None,
     ) -> None:
@@ -294,7 +302,7 @@ def with_lock(
     timeout: float | None = 0,
     ttl: float | None = None,
     strategy: str | None = None,
-    using: str | None = None,
+    using: str | list[str] | tuple[str, ...] | None = None,
     on_contention: ContentionPolicy = 423,
     retry_after: int | None = 1,
 ) -> Callable[[F], F]:
@@ -316,7 +324,7 @@ def with_lock(
             the view, and for a streaming response the whole stream.
         strategy: lock strategy (``DLOCK_DEFAULT_STRATEGY``).
         using: database alias (default: the router's choice for the
-            ``Lock`` model).
+            ``Lock`` model), or a list of aliases for a quorum lock.
         on_contention: what a view answers when the key stays held:
             an HTTP status (default ``423`` Locked, with a body naming the
             resource and a ``Retry-After`` header); ``"wait"`` to wait up to

@@ -15,6 +15,7 @@ __all__ = [
     "LockNotOwned",
     "LockReentrantError",
     "LockTimeout",
+    "QuorumUnavailable",
     "StrategyNotSupported",
 ]
 
@@ -25,6 +26,14 @@ class DLockError(Exception):
 
 class LockTimeout(DLockError, TimeoutError):
     """The lock could not be acquired within the timeout."""
+
+
+class QuorumUnavailable(LockTimeout):
+    """A quorum lock (``using=[...]``) could not reach a majority of its databases.
+
+    Raised instead of a driver error when too few databases answered before
+    the timeout: the lock was neither acquired nor refused by a majority.
+    """
 
 
 class LockNotOwned(DLockError):

@@ -156,6 +156,18 @@ class Holding:
                 logger.exception("django-dlock: on_lost callback of %s raised", self.name)
 
 
+def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
+    """The aliases of a quorum lock (``using=[...]``), checked; None for one alias."""
+    if using is None or isinstance(using, str):
+        return None
+    from django_dlock.strategies.quorum import quorum_aliases, quorum_strategy
+
+    aliases = quorum_aliases(using)
+    if strategy is not None:
+        quorum_strategy(strategy, aliases)  # only the lease strategy can
+    return aliases
+
+
 def _holder_alive() -> Callable[[], bool]:
     """A cheap test of whether the calling thread or asyncio task still runs."""
     task = current_task()
@@ -305,7 +317,9 @@ class Lock:
         timeout: how long ``acquire``/``with`` waits: ``None`` forever,
             ``0`` one try, ``n`` up to n seconds (``DLOCK_DEFAULT_TIMEOUT``).
         using: database alias (default: the router's write database for
-            :class:`django_dlock.models.Lock`).
+            :class:`django_dlock.models.Lock`), or a list of aliases of
+            independent databases for a quorum lock: a lease on a majority
+            of them (``lease`` strategy only; see the Quorum locks page).
         renew: renew the lease in the background at about ``ttl / 3``.
         max_hold: with ``renew``, stop renewing this many seconds after
             the acquisition; the lease then runs out.
@@ -342,7 +356,7 @@ class Lock:
         strategy: str | None = None,
         ttl: float | None = None,
         timeout: float | None = UNSET,
-        using: str | None = None,
+        using: str | list[str] | tuple[str, ...] | None = None,
         renew: bool = False,
         max_hold: float | None = None,
         reentrant: bool = True,
@@ -374,9 +388,11 @@ class Lock:
         self.max_hold = seconds_or_none(max_hold, "max_hold", allow_zero=False)
         if on_fail not in ("raise", "skip"):
             raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
-        if using is not None and using not in connections:
+        #: the databases of a quorum lock (``using=[...]``), else None
+        self._quorum = _quorum_of(using, strategy)
+        self.using: str | None = self._quorum[0] if self._quorum else cast("str | None", using)
+        if self.using is not None and self.using not in connections:
             raise ValueError(f"unknown database alias {using!r}")
-        self.using = using
         self.renew = bool(renew)
         self.reentrant = bool(reentrant)
         self.on_lost = on_lost
@@ -451,16 +467,24 @@ class Lock:
         return lock_alias(self.using)
 
     def _strategy(self, alias: str) -> Strategy:
-        strategy = get_strategy(self.strategy_name)
+        strategy = self._chosen()
         strategy.check_supported(connections[alias])
         return strategy
+
+    def _chosen(self) -> Strategy:
+        """The strategy by name, or its quorum over the databases of ``using=[...]``."""
+        if self._quorum is not None:
+            from django_dlock.strategies.quorum import quorum_strategy
+
+            return quorum_strategy(self.strategy_name, self._quorum)
+        return get_strategy(self.strategy_name)
 
     # -- the calling holder's view -----------------------------------------
 
     def _holdings(self, holder: Holder | None = None) -> list[Holding]:
         holder = holder or current_holder()
         alias = self.alias
-        family = get_strategy(self.strategy_name).family
+        family = self._chosen().family
         found = []
         for key in self.keys:
             holding = _current(holder, (alias, family, key.name))
@@ -615,7 +639,7 @@ class Lock:
     ) -> Holding:
         slot = (req.alias, strategy.family, req.key.name)
         holding = Holding(request=req, strategy=strategy, fence=fence, on_lost=self.on_lost)
-        if strategy.family == "lease":
+        if strategy.name == "lease":
             holding.valid_until = sent_at + req.ttl
         previous = holder.holdings.get(slot)
         if previous is not None:  # lost, and now acquired afresh

@@ -36,7 +36,7 @@ from django_dlock import signals
 from django_dlock.keys import Key
 from django_dlock.locks import Lock
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Request
+from django_dlock.strategies.base import Request, Strategy
 from django_dlock.strategies.lease import LeaseStrategy
 from django_dlock.validation import seconds_or_none
 
@@ -76,7 +76,8 @@ class TaskLock(Lock):
         max_hold: the lease length in seconds (``lockAtMostFor``): how long
             a crashed or hung holder blocks the task. Default: the larger
             of ``DLOCK_DEFAULT_TTL`` and ``min_hold``.
-        using: database alias (default: the router's write database for
+        using: database alias, or a list of aliases for a quorum lock
+            (default: the router's write database for
             :class:`django_dlock.models.Lock`).
 
     Use it, in order of preference, as
@@ -104,7 +105,7 @@ class TaskLock(Lock):
         *,
         min_hold: float = 0.0,
         max_hold: float | None = None,
-        using: str | None = None,
+        using: str | list[str] | tuple[str, ...] | None = None,
     ) -> None:
         low = seconds_or_none(min_hold, "min_hold", allow_zero=True)
         self.min_hold = 0.0 if low is None else low
@@ -135,7 +136,11 @@ class TaskLock(Lock):
 
     # -- the lease strategy with the min_hold release ---------------------
 
-    def _strategy(self, alias: str) -> _HoldAtLeast:
+    def _strategy(self, alias: str) -> Strategy:
+        if self._quorum is not None:
+            from django_dlock.strategies.quorum import quorum_strategy
+
+            return quorum_strategy("lease", self._quorum, min_hold=self.min_hold)
         strategy = _HoldAtLeast(self.min_hold)
         strategy.check_supported(connections[alias])
         return strategy

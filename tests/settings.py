@@ -106,6 +106,14 @@ DATABASES = {
     },
 }
 
+# Three independent PostgreSQL databases for quorum locks (tests/test_quorum.py).
+for _n in (1, 2, 3):
+    DATABASES[f"q{_n}"] = {
+        **DATABASES["default"],
+        "NAME": f"dlock_q{_n}{SUFFIX}",
+        "TEST": {"NAME": f"test_dlock_q{_n}{SUFFIX}"},
+    }
+
 if CHILD:
     for _db in DATABASES.values():
         _db["NAME"] = _db["TEST"]["NAME"]  # type: ignore[index]

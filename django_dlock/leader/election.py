@@ -87,6 +87,11 @@ class LeaderElection(Campaign):
                 f"LeaderElection cannot use the strategy {strategy!r}; "
                 f"choose one of {', '.join(STRATEGIES)}"
             )
+        if using is not None and not isinstance(using, str):
+            raise ValueError(
+                f"LeaderElection takes one database alias, not {using!r}: elections on a "
+                "quorum of databases are not supported yet (locks and TaskLock are)"
+            )
         if using is not None and using not in connections:
             raise ValueError(f"unknown database alias {using!r}")
         if identity is not None and (not isinstance(identity, str) or not identity.strip()):

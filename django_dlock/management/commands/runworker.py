@@ -120,7 +120,7 @@ class Command(BaseCommand):
                 renew_deadline=options["renew_deadline"],
                 retry=options["retry"],
                 strategy=options["strategy"],
-                using=options["using"],
+                using=_aliases(options["using"]),
                 identity=options["identity"],
             )
         except (ValueError, DLockError) as exc:
@@ -203,3 +203,10 @@ class Command(BaseCommand):
             self._say(f"lost leadership ({reason.partition(': ')[2]})")
         else:
             self._say("stepped down")
+
+
+def _aliases(using: str | None) -> Any:
+    """``--using a,b,c`` names a quorum of databases (a list); one name stays a name."""
+    if using is None or "," not in using:
+        return using
+    return [alias.strip() for alias in using.split(",")]
