@@ -312,9 +312,9 @@ class AdvisoryXactStrategy(TransactionScoped):
             raise self.refuse_sibling_wait(req)
         args = list(req.key.advisory)
         fenced = fencing()
-        with connection.cursor() as cur:
-            cur.execute(_xact_try_sql(req, fenced), args)
-            row = cur.fetchone()
+        # Prepared on the caller's connection (see ``execute``): the server
+        # parses and plans the try once per session, not at every call.
+        row = fetch_one(connection, _xact_try_sql(req, fenced), args)
         fence = None if row is None else row[0]
         while fence is None:
             timeout_ms = lock_timeout_ms(deadline)
