@@ -261,12 +261,20 @@ def _fence_sql(fenced: bool) -> str:
 
 
 def _xact_try_sql(req: Request, fenced: bool) -> str:
-    # Without fencing the value is 0 (acquired) or NULL.
-    suffix = "_shared" if req.shared else ""
-    return (
-        f"SELECT CASE WHEN pg_try_advisory_xact_lock{suffix}({_args_sql(req.key)}) "
-        f"THEN {_fence_sql(fenced)} END"
-    )
+    # Without fencing the value is 0 (acquired) or NULL. Built once per form.
+    form = (req.shared, len(req.key.advisory), fenced)
+    sql = _TRY_SQL.get(form)
+    if sql is None:
+        suffix = "_shared" if req.shared else ""
+        sql = _TRY_SQL[form] = (
+            f"SELECT CASE WHEN pg_try_advisory_xact_lock{suffix}({_args_sql(req.key)}) "
+            f"THEN {_fence_sql(fenced)} END"
+        )
+    return sql
+
+
+#: (shared, key parts, fenced) -> the try statement
+_TRY_SQL: dict[tuple[bool, int, bool], str] = {}
 
 
 def _xact_wait_sql(req: Request, fenced: bool) -> str:
