@@ -53,7 +53,9 @@ def __getattr__(name: str) -> Any:
     if name in ("Lock", "lock"):
         from django_dlock import locks
 
-        return getattr(locks, name)
+        found = getattr(locks, name)
+        globals()[name] = found  # found directly from now on (``dlock.lock`` per call)
+        return found
     if name == "TaskLock":
         from django_dlock.tasklock import TaskLock
 

@@ -74,10 +74,12 @@ _tasks_mutex = threading.Lock()
 
 
 def current_task() -> asyncio.Task[Any] | None:
-    try:
-        return asyncio.current_task()
-    except RuntimeError:  # no running event loop in this thread
+    # (``_get_running_loop`` answers None without raising: most callers run
+    # in a thread without an event loop, and a raised error costs more)
+    loop = asyncio._get_running_loop()
+    if loop is None:
         return None
+    return asyncio.current_task(loop)
 
 
 def current_holder() -> Holder:

@@ -129,6 +129,12 @@ def model_key(instance: models.Model) -> str:
     return f"{instance._meta.label_lower}:{instance.pk}"
 
 
+#: (namespace, str key) -> its Key: a key used again is not validated and hashed again
+_MADE: dict[tuple[str, str], Key] = {}
+#: entries kept before the cache starts afresh (a key is about 200 bytes)
+_MADE_MAX = 4096
+
+
 def make_key(key: Any, namespace: str = "lock") -> Key:
     """Validate ``key`` and return its namespaced :class:`Key`.
 
@@ -136,6 +142,18 @@ def make_key(key: Any, namespace: str = "lock") -> Key:
         InvalidLockKey: the key is empty, too long, has a NUL byte, is of a
             type that is not a key, or a part is out of the int4 range.
     """
+    if type(key) is str:
+        made = _MADE.get((namespace, key))
+        if made is None:
+            made = _make_key(key, namespace)
+            if len(_MADE) >= _MADE_MAX:
+                _MADE.clear()
+            _MADE[(namespace, key)] = made
+        return made
+    return _make_key(key, namespace)
+
+
+def _make_key(key: Any, namespace: str) -> Key:
     if namespace not in NAMESPACES:
         raise ValueError(f"unknown namespace {namespace!r}")
     if isinstance(key, models.Model):

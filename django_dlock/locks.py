@@ -276,10 +276,63 @@ def _default(setting: str) -> Any:
     return value
 
 
+#: (strategy name, alias, ENGINE) -> the strategy, its support for that database checked
+_SUPPORTED: dict[tuple[str, str, Any], Strategy] = {}
+
+
+def _supported(name: str, alias: str) -> Strategy:
+    """The strategy ``name`` on ``alias``, checked once per database engine.
+
+    A strategy with one implementation per database (``advisory``: PostgreSQL
+    or MySQL/MariaDB) resolves to the one for ``alias``, so that acquire and
+    release do not look it up again. A strategy the database cannot do raises
+    :class:`StrategyNotSupported` at every call (nothing is remembered).
+    """
+    database = connections.settings.get(alias)
+    slot = (name, alias, None if database is None else database.get("ENGINE"))
+    found = _SUPPORTED.get(slot)
+    if found is None:
+        found = get_strategy(name)
+        found.check_supported(connections[alias])
+        implementation = getattr(found, "implementation", None)
+        if implementation is not None:
+            found = implementation(alias)
+        _SUPPORTED[slot] = found
+    return found
+
+
+def _traits(name: str) -> tuple[str, bool]:
+    """The family of the strategy called ``name``, and whether it is transaction-scoped."""
+    found = _TRAITS.get(name)
+    if found is None:
+        strategy = get_strategy(name)
+        scoped = bool(getattr(strategy, "transaction_scoped", False))
+        found = _TRAITS[name] = (strategy.family, scoped)
+    return found
+
+
+_TRAITS: dict[str, tuple[str, bool]] = {}
+
+
+def _lock_model() -> type[Any]:
+    """The ``Lock`` model, imported on first use (this module loads before the apps)."""
+    global _LOCK_MODEL
+    if _LOCK_MODEL is None:
+        from django_dlock.models import Lock as LockModel
+
+        _LOCK_MODEL = LockModel
+    return _LOCK_MODEL
+
+
+_LOCK_MODEL: type[Any] | None = None
+
+
 @receiver(setting_changed)
 def _forget_defaults(setting: str, **kwargs: Any) -> None:
     if setting in _DEFAULT_CHECKS:
         _DEFAULTS.clear()
+    if setting == "DATABASES":
+        _SUPPORTED.clear()
 
 
 #: set while a ``with`` block or a decorated function is being left
@@ -464,12 +517,16 @@ class Lock:
 
     @property
     def alias(self) -> str:
-        return lock_alias(self.using)
+        if self.using is not None:
+            return self.using
+        return lock_alias()
 
     def _strategy(self, alias: str) -> Strategy:
-        strategy = self._chosen()
-        strategy.check_supported(connections[alias])
-        return strategy
+        if self._quorum is not None:
+            strategy = self._chosen()
+            strategy.check_supported(connections[alias])
+            return strategy
+        return _supported(self.strategy_name, alias)
 
     def _chosen(self) -> Strategy:
         """The strategy by name, or its quorum over the databases of ``using=[...]``."""
@@ -484,7 +541,10 @@ class Lock:
     def _holdings(self, holder: Holder | None = None) -> list[Holding]:
         holder = holder or current_holder()
         alias = self.alias
-        family = self._chosen().family
+        if self._quorum is not None:
+            family = self._chosen().family
+        else:
+            family = _traits(self.strategy_name)[0]
         found = []
         for key in self.keys:
             holding = _current(holder, (alias, family, key.name))
@@ -658,9 +718,10 @@ class Lock:
             holding.renewer = renewer
             renewer.start()
         logger.debug("django-dlock: acquired %s (fence %s) after %.3fs", req.key.name, fence, wait)
-        signals.lock_acquired.send(
-            Lock, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
-        )
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                Lock, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
+            )
         return holding
 
     @staticmethod
@@ -818,9 +879,10 @@ class Lock:
             raise holding.error()
         held = time.monotonic() - holding.acquired_at
         logger.debug("django-dlock: released %s after %.3fs", req.key.name, held)
-        signals.lock_released.send(
-            Lock, name=req.key.name, strategy=holding.strategy.name, held=held
-        )
+        if signals.lock_released.receivers:
+            signals.lock_released.send(
+                Lock, name=req.key.name, strategy=holding.strategy.name, held=held
+            )
         if renewer_error is not None:
             raise renewer_error
 
@@ -855,9 +917,7 @@ class Lock:
         await _to_the_end(release, f"releasing {self.name!r}")
 
     def _refuse_early_release(self) -> None:
-        if _LEAVING.get() or not getattr(
-            get_strategy(self.strategy_name), "transaction_scoped", False
-        ):
+        if _LEAVING.get() or not _traits(self.strategy_name)[1]:
             return
         raise DLockError(
             f"{self.name!r} uses the {self.strategy_name} strategy: the database releases "

@@ -104,9 +104,13 @@ _CONNECTION_OK = 0  # psycopg.pq.ConnStatus.OK
 _COMMAND_OK, _TUPLES_OK = 1, 2  # psycopg.pq.ExecStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Statement:
-    """A short statement run with :meth:`Session.run`: ``$n`` placeholders, typed."""
+    """A short statement run with :meth:`Session.run`: ``$n`` placeholders, typed.
+
+    Statements are module constants, found by identity in a session's table
+    of prepared statements (no hashing of the SQL text per call).
+    """
 
     sql: str
     #: type oid of each parameter (20 = bigint, 23 = integer, 25 = text)
@@ -224,7 +228,8 @@ class Session:
             if error is None:
                 result = pgconn.exec_prepared(name, params)
                 if result.status == _TUPLES_OK:
-                    row = tuple(result.get_value(0, i) for i in range(result.nfields))
+                    value = result.get_value
+                    row = tuple([value(0, i) for i in range(result.nfields)])
                 else:
                     error = self._error(result)
         if error is not None:

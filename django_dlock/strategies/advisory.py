@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from django.conf import settings
+from django.core.signals import setting_changed
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.dispatch import receiver
 from psycopg.types.numeric import Int4, Int8
 
 from django_dlock import sessions
@@ -168,9 +170,26 @@ _SQL = {
 }
 
 
+_fencing: bool | None = None
+
+
 def fencing() -> bool:
-    """``DLOCK_ADVISORY_FENCING``: whether advisory locks take fencing numbers."""
-    return getattr(settings, "DLOCK_ADVISORY_FENCING", False) is True
+    """``DLOCK_ADVISORY_FENCING``: whether advisory locks take fencing numbers.
+
+    Read once (a missing setting costs a raised error to find out), and
+    again after a ``setting_changed`` signal (``override_settings``).
+    """
+    global _fencing
+    if _fencing is None:
+        _fencing = getattr(settings, "DLOCK_ADVISORY_FENCING", False) is True
+    return _fencing
+
+
+@receiver(setting_changed)
+def _forget_fencing(setting: str, **kwargs: Any) -> None:
+    global _fencing
+    if setting == "DLOCK_ADVISORY_FENCING":
+        _fencing = None
 
 
 def _sql(req: Request, fenced: bool = False) -> _Statements:

@@ -429,7 +429,8 @@ def _execute_prepared(
     import psycopg
 
     try:
-        connection.ensure_connection()
+        if connection.connection is None:
+            connection.ensure_connection()
         raw = connection.connection
         # Django turns psycopg's automatic preparation off (threshold None),
         # which also disables prepare=True. Lift it for our statement only:

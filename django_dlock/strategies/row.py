@@ -50,7 +50,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
-from django_dlock.strategies.base import Grant, Request, cursor, lock_connection
+from django_dlock.strategies.base import Grant, Request, cursor, fetch_one, lock_connection
 from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.xact import (
     MAX_LOCK_TIMEOUT_MS,
@@ -182,13 +182,15 @@ class RowStrategy(TransactionScoped):
 
     def _try(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[bool, int | None, bool]:
         """One look: (locked by us now, fence, the row exists)."""
-        sql = _PG_TRY if connection.vendor == "postgresql" else _MYSQL_TRY
-        with connection.cursor() as cur:
-            cur.execute(sql, [req.key.name, req.key.name])
-            row = cur.fetchone()
         if connection.vendor == "postgresql":
+            # Prepared on the caller's connection (see ``execute``): parsed
+            # and planned once per session, not at every call.
+            row = fetch_one(connection, _PG_TRY, [req.key.name, req.key.name])
             fence = None if row[0] is None else int(row[0])
             return fence is not None, fence, bool(row[1])
+        with connection.cursor() as cur:
+            cur.execute(_MYSQL_TRY, [req.key.name, req.key.name])
+            row = cur.fetchone()
         return row[0] is not None, None, bool(row[1])
 
     def _wait(

@@ -78,6 +78,10 @@ class ByVendor:
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         self._for(connection.alias).check_supported(connection)
 
+    def implementation(self, alias: str) -> Strategy:
+        """The implementation for ``alias``'s database (:class:`StrategyNotSupported` if none)."""
+        return self._for(alias)
+
     def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
         return self._for(req.alias).acquire(req, deadline, policy)
 

@@ -262,12 +262,20 @@ def _fence_sql(fenced: bool) -> str:
 
 
 def _xact_try_sql(req: Request, fenced: bool) -> str:
-    # Without fencing the value is 0 (acquired) or NULL.
-    suffix = "_shared" if req.shared else ""
-    return (
-        f"SELECT CASE WHEN pg_try_advisory_xact_lock{suffix}({_args_sql(req.key)}) "
-        f"THEN {_fence_sql(fenced)} END"
-    )
+    # Without fencing the value is 0 (acquired) or NULL. Built once per form.
+    form = (req.shared, len(req.key.advisory), fenced)
+    sql = _TRY_SQL.get(form)
+    if sql is None:
+        suffix = "_shared" if req.shared else ""
+        sql = _TRY_SQL[form] = (
+            f"SELECT CASE WHEN pg_try_advisory_xact_lock{suffix}({_args_sql(req.key)}) "
+            f"THEN {_fence_sql(fenced)} END"
+        )
+    return sql
+
+
+#: (shared, key parts, fenced) -> the try statement
+_TRY_SQL: dict[tuple[bool, int, bool], str] = {}
 
 
 def _xact_wait_sql(req: Request, fenced: bool) -> str:
@@ -313,9 +321,9 @@ class AdvisoryXactStrategy(TransactionScoped):
             raise self.refuse_sibling_wait(req)
         args = list(req.key.advisory)
         fenced = fencing()
-        with connection.cursor() as cur:
-            cur.execute(_xact_try_sql(req, fenced), args)
-            row = cur.fetchone()
+        # Prepared on the caller's connection (see ``execute``): the server
+        # parses and plans the try once per session, not at every call.
+        row = fetch_one(connection, _xact_try_sql(req, fenced), args)
         fence = None if row is None else row[0]
         while fence is None:
             timeout_ms = lock_timeout_ms(deadline)

@@ -14,6 +14,12 @@ from typing import Any
 
 from .common import Series, interleaved, raw_connection
 
+#: What Django's ``transaction.atomic`` costs on its own: the floor's one
+#: statement, prepared, inside ``transaction.atomic`` on Django's connection.
+#: No lock library used the way users write it can beat these.
+DJANGO_XACT = "Django's share: transaction.atomic + the advisory_xact floor's statement"
+DJANGO_ROW = "Django's share: transaction.atomic + the row floor's statement"
+
 #: (ours, the raw-psycopg floor it is compared with)
 FLOORS = {
     "lease": "floor: lease upsert + DELETE",
@@ -26,6 +32,8 @@ FLOORS = {
     "row": "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT",
     "row, reused Lock object": "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT",
     "django-pglock advisory": "floor: pg_try_advisory_lock + unlock",
+    DJANGO_XACT: "floor: BEGIN; pg_try_advisory_xact_lock; COMMIT",
+    DJANGO_ROW: "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT",
 }
 
 #: The least SQL that gives a lease: take the row when it is free or expired
@@ -92,7 +100,42 @@ def _raw_contenders() -> dict[str, Callable[[], Any]]:
         FLOORS["advisory"]: floors["advisory"],
         FLOORS["advisory_xact"]: floors["advisory_xact"],
         FLOORS["row"]: floors["row"],
+        **django_share(conn),
     }
+
+
+def django_share(conn: Any) -> dict[str, Callable[[], None]]:
+    """The floors' one statement inside ``transaction.atomic`` on Django's connection.
+
+    ``conn`` (a raw connection) creates the row once, as :func:`floor_pairs` does.
+    """
+    from django.db import connection, transaction
+
+    name = "lock:bench-django-share:row"
+    conn.execute(
+        "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+        "VALUES (%s, '', '', 0, now(), now()) ON CONFLICT DO NOTHING",
+        [name],
+    )
+
+    def run(sql: str, param: Any) -> None:
+        with transaction.atomic():
+            connection.ensure_connection()
+            raw = connection.connection
+            # Django turns psycopg's preparation off; lift it for this statement.
+            raw.prepare_threshold = 2**31
+            try:
+                raw.execute(sql, [param], prepare=True).fetchone()
+            finally:
+                raw.prepare_threshold = None
+
+    def xact() -> None:
+        run("SELECT pg_try_advisory_xact_lock(%s)", 43)
+
+    def row() -> None:
+        run(FLOOR_ROW_SELECT, name)
+
+    return {DJANGO_XACT: xact, DJANGO_ROW: row}
 
 
 def user_pair(strategy: str, key: str) -> Callable[[], None]:

@@ -1,0 +1,101 @@
+"""What the hot path remembers between calls, and that it never stands in for the database.
+
+A lock remembers a few answers that do not change between calls (a key's
+validation and hash, whether a database can do a strategy, whether advisory
+locks take fencing numbers) so that an uncontended acquire + release costs
+little more than its SQL. These tests pin what must still hold: answers per
+key, per namespace and per database, settings overridden in tests, signals
+for receivers connected at any time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import transaction
+from django.test.utils import override_settings
+
+import django_dlock as dlock
+from django_dlock import locks, sessions, signals
+from django_dlock.exceptions import InvalidLockKey
+from django_dlock.keys import make_key
+from django_dlock.strategies.base import close_private_connections
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+@pytest.fixture(autouse=True)
+def _tidy():
+    yield
+    sessions.close_all()
+    close_private_connections()
+
+
+def test_a_key_used_again_is_the_same_key_in_its_own_namespace():
+    first = make_key("hot:1")
+    assert make_key("hot:1") == first
+    assert make_key("hot:1", "task").name == "task:hot:1"
+    assert make_key("hot:1", "task").advisory != first.advisory
+    assert make_key("hot:1").name == "lock:hot:1"
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 300, "nul\x00"])
+def test_a_bad_key_is_refused_every_time(bad):
+    for _ in range(2):
+        with pytest.raises(InvalidLockKey):
+            make_key(bad)
+
+
+def test_an_unknown_namespace_is_refused_for_a_key_already_made():
+    make_key("hot:ns")
+    with pytest.raises(ValueError, match="unknown namespace"):
+        make_key("hot:ns", "nope")
+
+
+def test_a_strategy_a_database_cannot_do_is_refused_at_every_call():
+    with transaction.atomic(), dlock.lock("hot:db", strategy="advisory_xact", timeout=0) as lk:
+        assert lk.held()
+    for _ in range(2):
+        with pytest.raises(dlock.StrategyNotSupported, match="needs PostgreSQL"):
+            dlock.lock("hot:db", strategy="advisory", using="sqlite").acquire()
+    # ... and PostgreSQL still can, after the refusals
+    with dlock.lock("hot:db", strategy="advisory", timeout=0) as lk:
+        assert lk.held()
+
+
+def test_advisory_fencing_follows_override_settings():
+    with dlock.lock("hot:fence", strategy="advisory", timeout=0) as lk:
+        assert lk.fence is None
+    with override_settings(DLOCK_ADVISORY_FENCING=True):
+        with dlock.lock("hot:fence", strategy="advisory", timeout=0) as lk:
+            assert isinstance(lk.fence, int)
+        with transaction.atomic(), dlock.lock("hot:fence", strategy="advisory_xact") as lk:
+            assert isinstance(lk.fence, int)
+    with dlock.lock("hot:fence", strategy="advisory", timeout=0) as lk:
+        assert lk.fence is None
+
+
+def test_signals_reach_a_receiver_connected_after_locks_were_used():
+    with dlock.lock("hot:signal", strategy="advisory", timeout=0):
+        pass
+    seen: list[tuple[str, str]] = []
+
+    def acquired(sender, name, **kwargs):
+        seen.append(("acquired", name))
+
+    def released(sender, name, **kwargs):
+        seen.append(("released", name))
+
+    signals.lock_acquired.connect(acquired)
+    signals.lock_released.connect(released)
+    try:
+        with dlock.lock("hot:signal", strategy="advisory", timeout=0):
+            pass
+    finally:
+        signals.lock_acquired.disconnect(acquired)
+        signals.lock_released.disconnect(released)
+    assert seen == [("acquired", "lock:hot:signal"), ("released", "lock:hot:signal")]
+
+
+def test_the_package_hands_out_the_lock_function_itself():
+    assert dlock.lock is locks.lock
+    assert dlock.Lock is locks.Lock
