@@ -65,8 +65,9 @@ from django_dlock.identity import Holder, current_holder, current_task
 from django_dlock.keys import Key, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
-from django_dlock.strategies import get_strategy
+from django_dlock.strategies import get_strategy, queue
 from django_dlock.strategies.base import Request, Strategy
+from django_dlock.strategies.lease import LeaseStrategy
 
 __all__ = ["Lock", "lock"]
 
@@ -309,6 +310,15 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
                 holding.renewer.stop()
         return None
     return holding
+
+
+@dataclass
+class _Queued:
+    """A place taken by :meth:`Lock.enqueue`: the ticket for ``keys[index]``."""
+
+    req: Request
+    ticket: int
+    index: int
 
 
 class Lock:
@@ -939,6 +949,158 @@ class Lock:
         """Async :meth:`owned`: whether the calling *task* holds every key."""
         holder = current_holder()
         return bool(await sync_to_async(self.owned)(holder))
+
+    # -- two-phase acquire: enqueue(), then wait() -----------------------------
+
+    def _two_phase_strategy(self, alias: str) -> LeaseStrategy:
+        strategy = self._strategy(alias)
+        if not isinstance(strategy, LeaseStrategy):
+            raise StrategyNotSupported(
+                f"enqueue()/wait() need the lease strategy (its waiter queue); "
+                f"{self.strategy_name!r} has no place to keep: use acquire(timeout=...)"
+            )
+        return strategy
+
+    def _queued_places(self) -> dict[str, _Queued]:
+        found: dict[str, _Queued] | None = getattr(self, "_queued_by_holder", None)
+        if found is None:
+            found = {}
+            self._queued_by_holder: dict[str, _Queued] = found
+        return found
+
+    def _enqueue_begin(self, holder: Holder) -> tuple[str, LeaseStrategy]:
+        self._check_options()
+        alias = self.alias
+        strategy = self._two_phase_strategy(alias)
+        if holder.token() in self._queued_places():
+            raise DLockError(f"{self.name!r} is already queued by this {holder.kind}: call wait()")
+        return alias, strategy
+
+    def enqueue(self) -> bool:
+        """Join the queue and return at once: ``True`` if the lock is now held,
+        ``False`` if this caller took a place in the key's queue.
+
+        The place is kept (its ticket renewed by a thread of the process)
+        until :meth:`wait`, which must follow from the same thread or task.
+        With many keys, free keys are taken in sorted order up to the first
+        busy one, whose queue is joined; :meth:`wait` takes the rest in order.
+        Only the ``lease`` strategy keeps places (``StrategyNotSupported``).
+        """
+        holder = current_holder()
+        alias, strategy = self._enqueue_begin(holder)
+        for index, key in enumerate(self.keys):
+            if self._reenter(holder, alias, strategy, key):
+                continue
+            req = self._request(holder, alias, key)
+            sent_at = time.monotonic()
+            fence = strategy.try_acquire(req)
+            if fence is None:
+                ticket = queue.enqueue(req)
+                queue.keeper.add(req, ticket)
+                self._queued_places()[holder.token()] = _Queued(req, ticket, index)
+                return False
+            self._held(holder, strategy, req, fence, sent_at, 0.0)
+        return True
+
+    async def aenqueue(self) -> bool:
+        """Async :meth:`enqueue` (the place belongs to the calling task)."""
+        holder = current_holder()
+        alias, strategy = self._enqueue_begin(holder)
+        for index, key in enumerate(self.keys):
+            stale = self._stale(holder, alias, strategy, key)
+            if stale is not None:
+                await sync_to_async(self._renew_or_lose)(stale, self._lease_ttl())
+            if self._reenter(holder, alias, strategy, key):
+                continue
+            req = self._request(holder, alias, key)
+            sent_at = time.monotonic()
+            grant = await strategy.aacquire(req, Deadline(0.0), self.retry_interval)
+            if grant is None:
+                ticket = await strategy.aenqueue(req)
+                queue.keeper.add(req, ticket)
+                self._queued_places()[holder.token()] = _Queued(req, ticket, index)
+                return False
+            self._held(holder, strategy, req, grant.fence, sent_at, 0.0)
+        return True
+
+    def _wait_begin(self, holder: Holder, timeout: float | None) -> tuple[_Queued | None, Deadline]:
+        deadline = Deadline(self._resolve_timeout(True, timeout))
+        queued = self._queued_places().pop(holder.token(), None)
+        if queued is None and not self.owned(holder):
+            raise DLockError(f"{self.name!r}: wait() without enqueue() (or after it gave up)")
+        if queued is not None:
+            queue.keeper.remove(queued.ticket)
+        return queued, deadline
+
+    def wait(self, timeout: float | None = UNSET) -> bool:
+        """Block until the place taken by :meth:`enqueue` is granted (``True``)
+        or ``timeout`` passes (``False``: the place is given up, and keys
+        taken by ``enqueue`` are released). The lease's TTL counts from the
+        moment the lock is granted. ``True`` at once if ``enqueue`` acquired.
+        """
+        holder = current_holder()
+        queued, deadline = self._wait_begin(holder, timeout)
+        if queued is None:
+            return True
+        alias, strategy = queued.req.alias, self._two_phase_strategy(queued.req.alias)
+        taken = list(self.keys[: queued.index])
+        try:
+            req = self._request(holder, alias, queued.req.key)
+            sent_at = time.monotonic()
+            grant = strategy.wait_ticket(req, queued.ticket, deadline, self.retry_interval)
+            if grant is None:
+                self._undo(holder, alias, strategy, taken)
+                return False
+            self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+            taken.append(req.key)
+            for key in self.keys[queued.index + 1 :]:
+                if not self._reenter(holder, alias, strategy, key):
+                    req = self._request(holder, alias, key)
+                    sent_at = time.monotonic()
+                    grant = strategy.acquire(req, deadline, self.retry_interval)
+                    if grant is None:
+                        self._undo(holder, alias, strategy, taken)
+                        return False
+                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+                taken.append(key)
+        except BaseException:
+            self._undo(holder, alias, strategy, taken)
+            raise
+        return True
+
+    async def await_lock(self, timeout: float | None = UNSET) -> bool:
+        """Async :meth:`wait`. Cancelling it gives the place up and leaves no lock."""
+        holder = current_holder()
+        queued, deadline = await sync_to_async(self._wait_begin)(holder, timeout)
+        if queued is None:
+            return True
+        alias, strategy = queued.req.alias, self._two_phase_strategy(queued.req.alias)
+        taken = list(self.keys[: queued.index])
+        try:
+            req = self._request(holder, alias, queued.req.key)
+            sent_at = time.monotonic()
+            grant = await strategy.await_ticket(req, queued.ticket, deadline, self.retry_interval)
+            if grant is not None:
+                self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+                taken.append(req.key)
+                for key in self.keys[queued.index + 1 :]:
+                    if not self._reenter(holder, alias, strategy, key):
+                        req = self._request(holder, alias, key)
+                        sent_at = time.monotonic()
+                        grant = await strategy.aacquire(req, deadline, self.retry_interval)
+                        if grant is None:
+                            break
+                        self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+                    taken.append(key)
+            if grant is None:
+                undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+                await _to_the_end(undo, f"giving back {self.name!r}")
+                return False
+        except BaseException:
+            undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+            await _to_the_end(undo, f"giving back {self.name!r}")
+            raise
+        return True
 
     # -- context managers ----------------------------------------------------
 

@@ -35,6 +35,7 @@ from django_dlock import dbclock, signals
 from django_dlock.dbclock import DbNow
 from django_dlock.keys import hash64
 from django_dlock.models import Lock
+from django_dlock.strategies.queue import PG_WAKE_HEAD
 
 __all__ = [
     "AdvisoryLock",
@@ -65,7 +66,8 @@ WITH released AS (
     WHERE id = %s AND token = %s
     RETURNING name
 )
-SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
+SELECT pg_notify('{NOTIFY_CHANNEL}', name), {PG_WAKE_HEAD.format(name="released.name")}
+FROM released
 """
 
 
