@@ -65,7 +65,7 @@ def _start_in_order(alias: str, lk: dlock.Lock, count: int, log: str, hold: str 
     started = []
     for index in range(count):
         started.append(procs.start(_waiter, alias, lk.name[len("lock:") :], index, log, hold))
-        wait_until(lambda: len(_live_tickets(alias, lk.name)) == index + 1, timeout=60)
+        wait_until(lambda n=index + 1: len(_live_tickets(alias, lk.name)) == n, timeout=60)
     return started
 
 
