@@ -307,7 +307,7 @@ class LeaseStrategy:
 
     async def aenqueue(self, req: Request) -> int:
         """Take a ticket off the event loop; a cancellation meanwhile leaves none behind."""
-        task = asyncio.ensure_future(sync_to_async(queue.enqueue, thread_sensitive=False)(req))
+        task = asyncio.ensure_future(sync_to_async(queue.enqueue)(req))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -357,7 +357,7 @@ class LeaseStrategy:
                     listen.unregister(payload, waiter)
         finally:
             if not granted:
-                leave = sync_to_async(queue.leave, thread_sensitive=False)
+                leave = sync_to_async(queue.leave)
                 await asyncio.shield(leave(req.alias, ticket))
 
     async def _attempt(self, step: Callable[[Request], Any], req: Request) -> Any:

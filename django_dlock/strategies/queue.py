@@ -208,12 +208,15 @@ class _Keeper:
     def remove(self, ticket: int) -> None:
         with self.mutex:
             self.tickets.pop(ticket, None)
+            if not self.tickets:
+                self.changed.set()  # let the thread end (and close its connection) now
 
     def _run(self) -> None:
         try:
             while True:
                 self.changed.wait(ticket_ttl() / 3)
                 with self.mutex:
+                    self.changed.clear()
                     found = list(self.tickets.items())
                     if not found:
                         self.thread = None
