@@ -5,11 +5,13 @@ statement (or, on MySQL/MariaDB, one short transaction) that checks the
 holder's token and judges the lease on the database clock:
 
 * **acquire** inserts the row, or takes it over when its lease has ended
-  (``expire_at <= now``) or when it is already the caller's, and returns the
+  (``expire_at <= now``) and no live waiter's ticket is ahead of the caller
+  (see :mod:`django_dlock.strategies.queue`: waiters are served first come,
+  first served), or when it is already the caller's, and returns the
   fencing number;
 * **release** ends the lease (``expire_at = now``, empty token) only if the
-  token matches, and on PostgreSQL sends ``NOTIFY django_dlock`` with the
-  lock's name so waiters wake at once;
+  token matches, and on PostgreSQL, only if the key has waiters, sends
+  ``NOTIFY django_dlock`` addressed to the next one;
 * **extend** moves ``expire_at`` only if the token matches.
 
 Fencing numbers: on PostgreSQL every acquisition by a new holder takes
