@@ -40,8 +40,9 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -80,11 +81,20 @@ logger = logging.getLogger("django_dlock")
 
 
 @dataclass
-class Turn:
-    """What a waiter's turn found: its fencing number if granted, else the seconds left."""
+class Look:
+    """What a waiter saw: seconds until the lease ends (<= 0: free), and
+    whether a live ticket is ahead of its own."""
 
-    fence: int | None
     left: float
+    ahead: bool
+
+
+@dataclass
+class _Place:
+    """A waiter's ticket, and when (monotonic) it last renewed it."""
+
+    ticket: int
+    renewed: float = field(default_factory=time.monotonic)
 
 
 def _in_thread(func: Callable[..., Any], *args: Any) -> None:
@@ -276,6 +286,7 @@ class LeaseStrategy:
                 listen.wait_ready(min(1.0, deadline.remaining()))
                 listen.register(payload, waiter)
             try:
+                place = _Place(ticket)
                 plan = self._plan(deadline, policy, listen)
                 step = next(plan)
                 while True:
@@ -284,7 +295,7 @@ class LeaseStrategy:
                         result: Any = waiter.thread_event.wait(pause)
                         waiter.clear()
                     else:
-                        result = self._turn(req, ticket)
+                        result = self._step(kind, req, place)
                     step = plan.send(result)
             except StopIteration as done:
                 granted = done.value is not None
@@ -337,6 +348,7 @@ class LeaseStrategy:
                 )
                 listen.register(payload, waiter)
             try:
+                place = _Place(ticket)
                 plan = self._plan(deadline, policy, listen)
                 step = next(plan)
                 while True:
@@ -348,8 +360,8 @@ class LeaseStrategy:
                             result = await asyncio.wait_for(waiter.async_event.wait(), pause)
                         waiter.clear()
                     else:
-                        turn = functools.partial(self._turn_of, ticket)
-                        result = await self._attempt(turn, req)
+                        step_of = functools.partial(self._step_of, kind, place)
+                        result = await self._attempt(step_of, req)
                     step = plan.send(result)
             except StopIteration as done:
                 granted = done.value is not None
@@ -399,8 +411,6 @@ class LeaseStrategy:
             raise
 
     def _give_back(self, req: Request, result: Any) -> None:
-        if isinstance(result, Turn):
-            result = result.fence
         if isinstance(result, int) and not isinstance(result, bool):
             try:
                 self.release(req)
@@ -417,22 +427,38 @@ class LeaseStrategy:
             connections[req.alias].close()
             close_private_connections()
 
-    def _turn_of(self, ticket: int, req: Request) -> Turn | Outage:
-        return self._turn(req, ticket)
+    def _step_of(self, kind: str, place: _Place, req: Request) -> Any:
+        return self._step(kind, req, place)
 
-    def _turn(self, req: Request, ticket: int) -> Turn | Outage:
-        """A waiter's turn: try with its ticket; else renew the ticket and look how long."""
+    def _step(self, kind: str, req: Request, place: _Place) -> Any:
+        """A waiter's look ("look": a read, and the ticket's renewal when due) or
+        try ("try": take the lease with the ticket); an :class:`Outage` if the
+        database is away."""
         try:
-            fence = self.try_acquire(req, ticket)
-            if fence is not None:
-                return Turn(fence, 0.0)
-            queue.beat(req, ticket)
-            return Turn(None, self.seconds_left(req.alias, req.key))
+            if kind == "try":
+                return self.try_acquire(req, place.ticket)
+            now = time.monotonic()
+            if now - place.renewed >= queue.ticket_ttl() / 3:
+                queue.beat(req, place.ticket)
+                place.renewed = now
+            return self._look(req, place.ticket)
         except (OperationalError, InterfaceError) as exc:
             logger.warning(
                 "django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc
             )
             return Outage(exc)
+
+    def _look(self, req: Request, ticket: int) -> Look:
+        """One read: seconds until the lease ends, and whether a live ticket is ahead."""
+        found = self._read(
+            req.alias,
+            f"SELECT (SELECT {{left}} FROM {TABLE} WHERE name = %s), "
+            f"CASE WHEN EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = %s "
+            "AND w.expire_at > {now} AND w.id < %s) THEN 1 ELSE 0 END",
+            [req.key.name, req.key.name, ticket],
+        )
+        left = -1.0 if found is None or found[0] is None else float(found[0])
+        return Look(left, bool(found[1]) if found is not None else False)
 
     def _listener(self, alias: str) -> notify.Listener | None:
         if connections[alias].vendor != "postgresql":
@@ -458,29 +484,35 @@ class LeaseStrategy:
         then raises the database's error rather than report a timeout.
         """
         attempt = 0
-        beat_every = queue.ticket_ttl() / 3
+        woken = False
         while True:
-            result: Turn | Outage = yield ("turn", 0.0)
-            if isinstance(result, Outage):
+            # Woken by a NOTIFY addressed to this ticket: try at once.
+            look: Look | Outage = Look(0.0, False) if woken else (yield ("look", 0.0))
+            if not isinstance(look, Outage) and look.left <= 0 and not look.ahead:
+                fence: int | None | Outage = yield ("try", 0.0)
+                if isinstance(fence, Outage):
+                    look = fence
+                elif fence is not None:
+                    return fence
+            if isinstance(look, Outage):
                 if deadline.expired():
-                    raise result.error
+                    raise look.error
                 pause = min(MAX_OUTAGE_PAUSE, max(0.05, interval(policy, attempt)))
                 yield ("sleep", min(pause, deadline.remaining()))
                 attempt += 1
+                woken = False
                 continue
-            if result.fence is not None:
-                return result.fence
             if deadline.expired():
                 return None
-            left = result.left
+            left = look.left
             if listen is not None and listen.healthy:
                 pause = MAX_PARK if left <= 0 else min(MAX_PARK, left + EXPIRY_MARGIN)
             else:
                 pause = interval(policy, attempt)
                 if left > 0:
                     pause = min(pause, left + EXPIRY_MARGIN)
-            pause = min(pause, beat_every)
-            yield ("sleep", max(0.0, min(pause, deadline.remaining())))
+            pause = min(pause, queue.ticket_ttl() / 3)
+            woken = bool((yield ("sleep", max(0.0, min(pause, deadline.remaining())))))
             attempt += 1
 
     def try_acquire(self, req: Request, ticket: int | None = None) -> int | None:
