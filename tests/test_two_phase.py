@@ -31,16 +31,16 @@ def _tickets(alias: str, name: str, live_only: bool = False) -> int:
 class Holder:
     """Holds a key in a thread of its own until told to let go."""
 
-    def __init__(self, alias: str, key: str) -> None:
+    def __init__(self, alias: str, key: str, strategy: str = "lease") -> None:
         self.acquired = threading.Event()
         self.let_go = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(alias, key))
+        self.thread = threading.Thread(target=self._run, args=(alias, key, strategy))
         self.thread.start()
         assert self.acquired.wait(30)
 
-    def _run(self, alias: str, key: str) -> None:
+    def _run(self, alias: str, key: str, strategy: str) -> None:
         try:
-            with dlock.lock(key, using=alias, ttl=60):
+            with dlock.lock(key, using=alias, ttl=60, strategy=strategy):
                 self.acquired.set()
                 self.let_go.wait(60)
         finally:
@@ -194,3 +194,65 @@ def test_cancelling_an_async_wait_leaves_no_ticket_and_no_lock(alias):
 def test_strategies_without_a_queue_refuse(pg, strategy):
     with pytest.raises(StrategyNotSupported):
         dlock.lock("tp-refused", using=pg, strategy=strategy).enqueue()
+
+
+def test_advisory_on_mysql_refuses():
+    with pytest.raises(StrategyNotSupported):
+        dlock.lock("tp-refused", using="mysql", strategy="advisory").enqueue()
+
+
+def _advisory_waiting(pg: str) -> int:
+    """Sessions waiting for an advisory lock (not granted) in PostgreSQL's queue."""
+    with connections[pg].cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+        return int(cur.fetchone()[0])
+
+
+def test_advisory_enqueue_holds_a_place_in_postgresqls_queue(pg):
+    holder = Holder(pg, "tp-adv", strategy="advisory")
+    lk = dlock.lock("tp-adv", using=pg, strategy="advisory")
+    assert lk.enqueue() is False
+    wait_until(lambda: _advisory_waiting(pg) == 1)
+    # A newcomer's try-once does not get past the holder (nor the place).
+    other = dlock.lock("tp-adv", using=pg, strategy="advisory")
+    assert in_thread(lambda: other.acquire(timeout=0)) is False
+    holder.release()
+    assert lk.wait(timeout=30) is True
+    assert lk.owned()
+    lk.release()
+    assert not lk.locked()
+
+
+def test_advisory_wait_timing_out_leaves_no_pending_lock(pg):
+    holder = Holder(pg, "tp-adv-timeout", strategy="advisory")
+    lk = dlock.lock("tp-adv-timeout", using=pg, strategy="advisory")
+    assert lk.enqueue() is False
+    assert lk.wait(timeout=0.2) is False
+    assert _advisory_waiting(pg) == 0
+    holder.release()
+    assert not lk.locked()
+    assert not lk.owned()
+
+
+def test_advisory_async_wait_cancelled_leaves_no_lock(pg):
+    holder = Holder(pg, "tp-adv-cancel", strategy="advisory")
+    lk = dlock.lock("tp-adv-cancel", using=pg, strategy="advisory")
+
+    async def queue_and_wait() -> None:
+        assert await lk.aenqueue() is False
+        await lk.await_lock(timeout=None)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(queue_and_wait())
+        while not await asyncio.to_thread(lambda: in_thread(_advisory_waiting, pg)):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sync_to_async(connections.close_all)()
+
+    asyncio.run(main())
+    wait_until(lambda: _advisory_waiting(pg) == 0)
+    holder.release()
+    assert not lk.locked()
