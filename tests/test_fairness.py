@@ -8,9 +8,11 @@ order they were granted in is read back, never inferred from clocks.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
+from multiprocessing.process import BaseProcess
 
 import pytest
 from django.db import connections
@@ -61,15 +63,21 @@ def _read_log(path: str) -> list[tuple[int, int]]:
         return [(int(a), int(b)) for a, b in (line.split() for line in f if line.strip())]
 
 
-def _start_in_order(alias: str, lk: dlock.Lock, count: int, log: str, hold: str | None) -> list:
+def _tickets_are(alias: str, name: str, count: int) -> bool:
+    return len(_live_tickets(alias, name)) == count
+
+
+def _start_in_order(
+    alias: str, lk: dlock.Lock, count: int, log: str, hold: str | None
+) -> list[BaseProcess]:
     started = []
     for index in range(count):
         started.append(procs.start(_waiter, alias, lk.name[len("lock:") :], index, log, hold))
-        wait_until(lambda n=index + 1: len(_live_tickets(alias, lk.name)) == n, timeout=60)
+        wait_until(functools.partial(_tickets_are, alias, lk.name, index + 1), timeout=60)
     return started
 
 
-def _join(started: list) -> None:
+def _join(started: list[BaseProcess]) -> None:
     for proc in started:
         proc.join(120)
         assert proc.exitcode == 0, f"waiter exited with {proc.exitcode}"
@@ -124,6 +132,7 @@ def test_a_killed_waiter_is_skipped(alias, tmp_path):
     assert holder.acquire(timeout=0)
     started = _start_in_order(alias, holder, 2, log, None)
     first_ticket = _live_tickets(alias, holder.name)[0]
+    assert started[0].pid is not None
     os.kill(started[0].pid, signal.SIGKILL)
     started[0].join(30)
     holder.release()

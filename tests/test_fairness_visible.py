@@ -3,6 +3,7 @@ and the admin's lock page shows them in the order they will be served."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from io import StringIO
 
@@ -39,9 +40,10 @@ class Queued:
             thread = threading.Thread(target=self._wait, args=(alias, key))
             thread.start()
             self.threads.append(thread)
-            wait_until(
-                lambda n=index + 1: sum(r[4] for r in queue.waiters(alias, [self.holder.name])) == n
-            )
+            wait_until(functools.partial(self._queued_are, alias, index + 1))
+
+    def _queued_are(self, alias: str, count: int) -> bool:
+        return sum(r[4] for r in queue.waiters(alias, [self.holder.name])) == count
 
     @staticmethod
     def _wait(alias: str, key: str) -> None:

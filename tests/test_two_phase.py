@@ -158,7 +158,7 @@ def test_async_enqueue_then_wait(alias):
         assert await lk.aowned()
         await lk.arelease()
         await sync_to_async(connections.close_all)()
-        return granted
+        return bool(granted)
 
     assert asyncio.run(main()) is True
 
