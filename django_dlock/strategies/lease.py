@@ -438,7 +438,7 @@ class LeaseStrategy:
             if kind == "try":
                 return self.try_acquire(req, place.ticket)
             now = time.monotonic()
-            if now - place.renewed >= queue.ticket_ttl() / 3:
+            if now - place.renewed >= queue.renew_every():
                 queue.beat(req, place.ticket)
                 place.renewed = now
             return self._look(req, place.ticket)
@@ -477,7 +477,7 @@ class LeaseStrategy:
         so a release in between is never slept through. Between turns, park
         until a NOTIFY addressed to this ticket wakes us (PostgreSQL) or the
         retry interval passes (elsewhere), never past the end of the current
-        lease, the deadline, or a third of the ticket's own lease.
+        lease, the deadline, or a quarter of the ticket's own lease.
 
         A waiter rides out an outage of the database (a restart, a dropped
         connection): it backs off and looks again until its deadline, and
@@ -511,7 +511,7 @@ class LeaseStrategy:
                 pause = interval(policy, attempt)
                 if left > 0:
                     pause = min(pause, left + EXPIRY_MARGIN)
-            pause = min(pause, queue.ticket_ttl() / 3)
+            pause = min(pause, queue.renew_every())
             woken = bool((yield ("sleep", max(0.0, min(pause, deadline.remaining())))))
             attempt += 1
 

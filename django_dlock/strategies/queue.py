@@ -9,9 +9,9 @@ takes the lease, that no live ticket waits for the key; a waiter's acquire
 checks that no live ticket is ahead of its own.
 
 Each ticket has a short lease of its own (``expire_at``, judged on the
-database clock like every lease), renewed by its waiter while it waits
-(:data:`TICKET_TTL`, renewed at least every third of it). A waiter that dies
-(a killed process, a lost connection) stops renewing: its ticket runs out,
+database clock like every lease, ``DLOCK_QUEUE_TICKET_TTL`` seconds), renewed
+by its waiter at the latest halfway through it. A waiter that dies (a killed
+process, a lost connection) stops renewing: its ticket runs out,
 is skipped, and ``dlock_cleanup`` removes it. A waiter that times out or is
 cancelled deletes its ticket.
 
@@ -53,6 +53,12 @@ NEWCOMER = 2**62
 def ticket_ttl() -> float:
     """Seconds a ticket stays live without renewal (``DLOCK_QUEUE_TICKET_TTL``, default 6)."""
     return float(getattr(settings, "DLOCK_QUEUE_TICKET_TTL", 6.0))
+
+
+def renew_every() -> float:
+    """How often a waiter renews its ticket (and looks at least): a quarter of its TTL,
+    so that a ticket is renewed at the latest halfway through its lease."""
+    return ticket_ttl() / 4
 
 
 def wake_payload(ticket: int) -> str:
@@ -214,7 +220,7 @@ class _Keeper:
     def _run(self) -> None:
         try:
             while True:
-                self.changed.wait(ticket_ttl() / 3)
+                self.changed.wait(renew_every())
                 with self.mutex:
                     self.changed.clear()
                     found = list(self.tickets.items())
