@@ -256,3 +256,16 @@ def test_advisory_async_wait_cancelled_leaves_no_lock(pg):
     wait_until(lambda: _advisory_waiting(pg) == 0)
     holder.release()
     assert not lk.locked()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "6", float("nan"), True, 10**6])
+def test_a_bad_ticket_ttl_setting_is_a_named_error(alias, bad):
+    holder = Holder(alias, "tp-bad-ttl")
+    try:
+        with (
+            override_settings(DLOCK_QUEUE_TICKET_TTL=bad),
+            pytest.raises(ValueError, match="DLOCK_QUEUE_TICKET_TTL"),
+        ):
+            dlock.lock("tp-bad-ttl", using=alias).acquire(timeout=1)
+    finally:
+        holder.release()

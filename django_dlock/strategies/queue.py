@@ -27,6 +27,7 @@ process until its owner calls ``wait()``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterable
@@ -46,13 +47,30 @@ LOCKS = "django_dlock_lock"
 CHANNEL = "django_dlock"
 #: payload prefix of a wake-up addressed to one ticket (lock names are namespaced)
 WAKE_PREFIX = "django-dlock-ticket:"
+#: longest ticket lease accepted (a dead waiter blocks its queue this long)
+MAX_TICKET_TTL = 3600.0
 #: the ticket number of a caller without a ticket: every live ticket is ahead of it
 NEWCOMER = 2**62
 
 
 def ticket_ttl() -> float:
-    """Seconds a ticket stays live without renewal (``DLOCK_QUEUE_TICKET_TTL``, default 6)."""
-    return float(getattr(settings, "DLOCK_QUEUE_TICKET_TTL", 6.0))
+    """Seconds a ticket stays live without renewal (``DLOCK_QUEUE_TICKET_TTL``, default 6).
+
+    Raises:
+        ValueError: the setting is not a number of seconds > 0.
+    """
+    value = getattr(settings, "DLOCK_QUEUE_TICKET_TTL", 6.0)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_TICKET_TTL
+    ):
+        raise ValueError(
+            f"the DLOCK_QUEUE_TICKET_TTL setting must be a number of seconds > 0 and "
+            f"<= {MAX_TICKET_TTL:g}, got {value!r}"
+        )
+    return float(value)
 
 
 def renew_every() -> float:
