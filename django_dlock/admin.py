@@ -37,13 +37,14 @@ from django.http import (
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from django_dlock import cleanup, dbclock
 from django_dlock import operations as override
 from django_dlock.dbclock import DbNow
 from django_dlock.models import Lock
+from django_dlock.strategies import queue
 
 #: badge colours: (text, background)
 BADGES = {
@@ -145,6 +146,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "acquired_at",
         "expire_at",
         "time_left",
+        "waiters",
     )
     readonly_fields = fields
 
@@ -210,6 +212,27 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     @admin.display(description="token")
     def token_start(self, obj: Lock) -> str:
         return override.token_prefix(obj.token) or "—"
+
+    @admin.display(description="waiters")
+    def waiters(self, obj: Lock) -> str:
+        """The key's queue (lease strategy), in the order it will be served."""
+        found = queue.waiters(obj._state.db or "default", [obj.name])
+        live = [row for row in found if row[4]]
+        if not live:
+            return "nobody waits"
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (position, owner or "—", compact(since))
+                for position, (_name, _ticket, owner, since, _live) in enumerate(live, 1)
+            ),
+        )
+        return format_html(
+            "<table><thead><tr><th>position</th><th>owner</th><th>waiting since</th></tr>"
+            "</thead><tbody>{}</tbody></table>",
+            rows,
+        )
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None

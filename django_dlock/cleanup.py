@@ -38,6 +38,12 @@ from django_dlock import dbclock
 
 TABLE = "django_dlock_lock"
 FLOOR = "django_dlock_fencefloor"
+WAITERS = "django_dlock_waiter"
+
+# A free row whose key has live waiters stays: its queue decides who is next.
+_NO_WAITERS = (
+    f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = {TABLE}.name AND w.expire_at > {{now}})"
+)
 
 # One batch: delete by ctid, re-checking expiry against the run's cutoff
 # (a time on the database clock, in the past: such a lease has ended).
@@ -45,7 +51,7 @@ _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}
 WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {TABLE}
-        WHERE expire_at <= %s
+        WHERE expire_at <= %s AND {_NO_WAITERS.format(now="statement_timestamp()")}
         LIMIT %s))
   AND expire_at <= %s
 """
@@ -147,7 +153,8 @@ def _generic_batch(cur: Any, vendor: str, batch_size: int, before: Any) -> int:
     row = cur.fetchone()
     floor = int(row[0]) if row else None
     cur.execute(
-        f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s ORDER BY id LIMIT %s",
+        f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s "
+        f"AND {_NO_WAITERS.format(now=dbclock._NOW[vendor])} ORDER BY id LIMIT %s",
         [before, batch_size],
     )
     rows = cur.fetchall()
@@ -209,6 +216,7 @@ def delete_free(
     total_so_far)`` is called after each batch. Returns the total number of
     rows deleted.
     """
+    delete_dead_waiters(using)
     total = 0
     fences_ahead = _pg_fences_ahead(using) if connections[using].vendor == "postgresql" else None
     before = cutoff(using, older_than)
@@ -221,3 +229,37 @@ def delete_free(
         total += deleted
         if progress is not None:
             progress(deleted, total)
+
+
+# PostgreSQL: delete the tickets that ran out and wake the new head of each
+# affected key that is free.
+_PG_DEAD_WAITERS = f"""
+WITH gone AS (
+    DELETE FROM {WAITERS} WHERE expire_at <= statement_timestamp() RETURNING name
+), names AS (SELECT DISTINCT name FROM gone),
+woken AS (
+    SELECT {{wake}} FROM names WHERE NOT EXISTS (
+        SELECT 1 FROM {TABLE} l WHERE l.name = names.name AND l.expire_at > statement_timestamp()
+    )
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM woken)
+"""
+
+
+def delete_dead_waiters(using: str) -> int:
+    """Delete the waiter tickets whose own lease ran out (their waiters are gone).
+
+    On PostgreSQL the new head of a free key is woken. Returns how many
+    tickets were deleted.
+    """
+    from django_dlock.strategies.queue import PG_WAKE_HEAD
+
+    connection = connections[using]
+    with connection.cursor() as cur:
+        if connection.vendor == "postgresql":
+            wake = PG_WAKE_HEAD.format(name="names.name")
+            cur.execute(_PG_DEAD_WAITERS.format(wake=wake))
+            row = cur.fetchone()
+            return int(row[0]) if row else 0
+        cur.execute(f"DELETE FROM {WAITERS} WHERE expire_at <= {dbclock.now_sql(connection)}", [])
+        return int(cur.rowcount)

@@ -59,8 +59,10 @@ from django_dlock.identity import Holder, current_holder, current_task
 from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
-from django_dlock.strategies import get_strategy
-from django_dlock.strategies.base import Abandoned, Request, Strategy, statement_deadline
+from django_dlock.strategies import get_strategy, queue
+from django_dlock.strategies.base import Abandoned, Grant, Request, Strategy, statement_deadline
+from django_dlock.strategies.lease import LeaseStrategy
+from django_dlock.strategies.pending import Pending, pending_capable
 from django_dlock.validation import (
     retry_interval_error,
     seconds_or_none,
@@ -354,6 +356,17 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
                 holding.renewer.stop()
         return None
     return holding
+
+
+@dataclass
+class _Queued:
+    """A place taken by :meth:`Lock.enqueue` for ``keys[index]``: a lease ticket,
+    or a pending advisory lock."""
+
+    req: Request
+    index: int
+    ticket: int | None = None
+    pending: Pending | None = None
 
 
 class Lock:
@@ -1008,6 +1021,200 @@ class Lock:
         """Async :meth:`owned`: whether the calling *task* holds every key."""
         holder = current_holder()
         return bool(await sync_to_async(self.owned)(holder))
+
+    # -- two-phase acquire: enqueue(), then wait() -----------------------------
+
+    def _two_phase_strategy(self, alias: str) -> Strategy:
+        strategy = self._strategy(alias)
+        if isinstance(strategy, LeaseStrategy):
+            return strategy
+        if pending_capable(strategy, connections[alias].vendor) is not None:
+            return strategy
+        raise StrategyNotSupported(
+            f"enqueue()/wait() need a strategy that keeps a place in a queue (lease, or "
+            f"advisory on PostgreSQL); {self.strategy_name!r} on {alias!r} cannot: "
+            "use acquire(timeout=...)"
+        )
+
+    def _queued_places(self) -> dict[str, _Queued]:
+        found: dict[str, _Queued] | None = getattr(self, "_queued_by_holder", None)
+        if found is None:
+            found = {}
+            self._queued_by_holder: dict[str, _Queued] = found
+        return found
+
+    def _enqueue_begin(self, holder: Holder) -> tuple[str, Strategy]:
+        self._check_options()
+        alias = self.alias
+        strategy = self._two_phase_strategy(alias)
+        if holder.token() in self._queued_places():
+            raise DLockError(f"{self.name!r} is already queued by this {holder.kind}: call wait()")
+        return alias, strategy
+
+    def _pending(self, holder: Holder, strategy: Strategy, req: Request) -> Pending:
+        impl = pending_capable(strategy, connections[req.alias].vendor)
+        assert impl is not None
+        return Pending(impl, req, holder)
+
+    def enqueue(self) -> bool:
+        """Join the queue and return at once: ``True`` if the lock is now held,
+        ``False`` if this caller took a place in the key's queue.
+
+        The place is kept until :meth:`wait`, which must follow from the same
+        thread or task: on ``lease`` a ticket (renewed by a thread of the
+        process), on ``advisory`` (PostgreSQL) a ``pg_advisory_lock`` waiting in
+        PostgreSQL's queue. With many keys, free keys are taken in sorted order
+        up to the first busy one, whose queue is joined; :meth:`wait` takes the
+        rest in order. Other strategies: ``StrategyNotSupported``.
+        """
+        holder = current_holder()
+        alias, strategy = self._enqueue_begin(holder)
+        for index, key in enumerate(self.keys):
+            if self._reenter(holder, alias, strategy, key):
+                continue
+            req = self._request(holder, alias, key)
+            sent_at = time.monotonic()
+            grant = strategy.acquire(req, Deadline(0.0), self.retry_interval)
+            if grant is None:
+                if isinstance(strategy, LeaseStrategy):
+                    ticket = queue.enqueue(req)
+                    queue.keeper.add(req, ticket)
+                    queued = _Queued(req, index, ticket=ticket)
+                else:
+                    queued = _Queued(req, index, pending=self._pending(holder, strategy, req))
+                self._queued_places()[holder.token()] = queued
+                return False
+            self._held(holder, strategy, req, grant.fence, sent_at, 0.0)
+        return True
+
+    async def aenqueue(self) -> bool:
+        """Async :meth:`enqueue` (the place belongs to the calling task)."""
+        holder = current_holder()
+        alias, strategy = self._enqueue_begin(holder)
+        for index, key in enumerate(self.keys):
+            stale = self._stale(holder, alias, strategy, key)
+            if stale is not None:
+                await sync_to_async(self._renew_or_lose)(stale, self._lease_ttl())
+            if self._reenter(holder, alias, strategy, key):
+                continue
+            req = self._request(holder, alias, key)
+            sent_at = time.monotonic()
+            grant = await strategy.aacquire(req, Deadline(0.0), self.retry_interval)
+            if grant is None:
+                if isinstance(strategy, LeaseStrategy):
+                    ticket = await strategy.aenqueue(req)
+                    queue.keeper.add(req, ticket)
+                    queued = _Queued(req, index, ticket=ticket)
+                else:
+                    queued = _Queued(req, index, pending=self._pending(holder, strategy, req))
+                self._queued_places()[holder.token()] = queued
+                return False
+            self._held(holder, strategy, req, grant.fence, sent_at, 0.0)
+        return True
+
+    def _wait_begin(self, holder: Holder, timeout: float | None) -> tuple[_Queued | None, Deadline]:
+        deadline = Deadline(self._resolve_timeout(True, timeout))
+        queued = self._queued_places().pop(holder.token(), None)
+        if queued is None and not self.owned(holder):
+            raise DLockError(f"{self.name!r}: wait() without enqueue() (or after it gave up)")
+        if queued is not None and queued.ticket is not None:
+            queue.keeper.remove(queued.ticket)
+        return queued, deadline
+
+    def wait(self, timeout: float | None = UNSET) -> bool:
+        """Block until the place taken by :meth:`enqueue` is granted (``True``)
+        or ``timeout`` passes (``False``: the place is given up, and keys
+        taken by ``enqueue`` are released). A lease's TTL counts from the
+        moment the lock is granted. ``True`` at once if ``enqueue`` acquired.
+        """
+        holder = current_holder()
+        queued, deadline = self._wait_begin(holder, timeout)
+        if queued is None:
+            return True
+        req = queued.req
+        alias, strategy = req.alias, self._strategy(req.alias)
+        taken = list(self.keys[: queued.index])
+        try:
+            sent_at = time.monotonic()
+            if queued.pending is not None:
+                left = None if deadline.timeout is None else deadline.remaining()
+                grant = queued.pending.wait(left)
+            else:
+                assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
+                grant = strategy.wait_ticket(req, queued.ticket, deadline, self.retry_interval)
+            if grant is None:
+                self._undo(holder, alias, strategy, taken)
+                return False
+            self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+            taken.append(req.key)
+            for key in self.keys[queued.index + 1 :]:
+                if not self._reenter(holder, alias, strategy, key):
+                    req = self._request(holder, alias, key)
+                    sent_at = time.monotonic()
+                    grant = strategy.acquire(req, deadline, self.retry_interval)
+                    if grant is None:
+                        self._undo(holder, alias, strategy, taken)
+                        return False
+                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+                taken.append(key)
+        except BaseException:
+            if queued.pending is not None and req is queued.req:
+                queued.pending.give_up()
+            self._undo(holder, alias, strategy, taken)
+            raise
+        return True
+
+    async def _await_place(self, queued: _Queued, deadline: Deadline) -> Grant | None:
+        strategy = self._strategy(queued.req.alias)
+        pending = queued.pending
+        if pending is None:
+            assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
+            return await strategy.await_ticket(
+                queued.req, queued.ticket, deadline, self.retry_interval
+            )
+        left = None if deadline.timeout is None else deadline.remaining()
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), left)
+        except asyncio.TimeoutError:
+            await sync_to_async(pending.give_up, thread_sensitive=False)()
+            return None
+        except asyncio.CancelledError:
+            await asyncio.shield(sync_to_async(pending.give_up, thread_sensitive=False)())
+            raise
+
+    async def await_lock(self, timeout: float | None = UNSET) -> bool:
+        """Async :meth:`wait`. Cancelling it gives the place up and leaves no lock."""
+        holder = current_holder()
+        queued, deadline = await sync_to_async(self._wait_begin)(holder, timeout)
+        if queued is None:
+            return True
+        alias, strategy = queued.req.alias, self._strategy(queued.req.alias)
+        taken = list(self.keys[: queued.index])
+        try:
+            sent_at = time.monotonic()
+            grant = await self._await_place(queued, deadline)
+            if grant is not None:
+                req = queued.req
+                self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+                taken.append(req.key)
+                for key in self.keys[queued.index + 1 :]:
+                    if not self._reenter(holder, alias, strategy, key):
+                        req = self._request(holder, alias, key)
+                        sent_at = time.monotonic()
+                        grant = await strategy.aacquire(req, deadline, self.retry_interval)
+                        if grant is None:
+                            break
+                        self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
+                    taken.append(key)
+            if grant is None:
+                undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+                await _to_the_end(undo, f"giving back {self.name!r}")
+                return False
+        except BaseException:
+            undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
+            await _to_the_end(undo, f"giving back {self.name!r}")
+            raise
+        return True
 
     # -- context managers ----------------------------------------------------
 

@@ -68,3 +68,35 @@ class FenceFloor(models.Model):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+class Waiter(models.Model):
+    """A ticket in the queue of a lease key: one caller waiting for it.
+
+    The ``id`` is the ticket number: it comes from the table's monotonic
+    sequence, so waiters are served in the order they joined. ``expire_at``
+    is the ticket's own short lease on the database clock, renewed while its
+    waiter is alive; a ticket that has run out (a killed process, a lost
+    connection) is skipped and removed by ``dlock_cleanup``.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=300, help_text="namespaced key")
+    token = models.CharField(max_length=64, editable=False)
+    owner = models.CharField(
+        max_length=255, blank=True, default="", help_text="host, pid and thread or task"
+    )
+    enqueued_at = models.DateTimeField()
+    expire_at = models.DateTimeField()
+
+    objects = models.Manager()
+
+    class Meta:
+        db_table = "django_dlock_waiter"
+        ordering = ["name", "id"]
+        indexes = [models.Index(fields=["name", "id"], name="django_dlock_waiter_queue")]
+        verbose_name = "waiter"
+        verbose_name_plural = "waiters"
+
+    def __str__(self) -> str:
+        return f"{self.name} #{self.id}"

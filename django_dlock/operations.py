@@ -36,6 +36,7 @@ from django_dlock.conf import lock_alias
 from django_dlock.dbclock import DbNow
 from django_dlock.keys import hash64
 from django_dlock.models import Lock
+from django_dlock.strategies.queue import PG_WAKE_HEAD
 
 __all__ = [
     "AdvisoryLock",
@@ -66,7 +67,8 @@ WITH released AS (
     WHERE id = %s AND token = %s
     RETURNING name
 )
-SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
+SELECT pg_notify('{NOTIFY_CHANNEL}', name), {PG_WAKE_HEAD.format(name="released.name")}
+FROM released
 """
 
 

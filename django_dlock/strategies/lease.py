@@ -5,11 +5,13 @@ statement (or, on MySQL/MariaDB, one short transaction) that checks the
 holder's token and judges the lease on the database clock:
 
 * **acquire** inserts the row, or takes it over when its lease has ended
-  (``expire_at <= now``) or when it is already the caller's, and returns the
+  (``expire_at <= now``) and no live waiter's ticket is ahead of the caller
+  (see :mod:`django_dlock.strategies.queue`: waiters are served first come,
+  first served), or when it is already the caller's, and returns the
   fencing number;
 * **release** ends the lease (``expire_at = now``, empty token) only if the
-  token matches, and on PostgreSQL sends ``NOTIFY django_dlock`` with the
-  lock's name so waiters wake at once;
+  token matches, and on PostgreSQL, only if the key has waiters, sends
+  ``NOTIFY django_dlock`` addressed to the next one;
 * **extend** moves ``expire_at`` only if the token matches.
 
 Fencing numbers: on PostgreSQL every acquisition by a new holder takes
@@ -41,7 +43,9 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -53,6 +57,7 @@ from django_dlock.conf import RetryInterval, conf
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
+from django_dlock.strategies import queue
 from django_dlock.strategies.base import (
     Grant,
     Request,
@@ -79,6 +84,36 @@ Step = tuple[str, float]
 logger = logging.getLogger("django_dlock")
 
 
+@dataclass
+class Look:
+    """What a waiter saw: seconds until the lease ends (<= 0: free), and
+    whether a live ticket is ahead of its own."""
+
+    left: float
+    ahead: bool
+
+
+@dataclass
+class _Place:
+    """A waiter's ticket, and when (monotonic) it last renewed it."""
+
+    ticket: int
+    renewed: float = field(default_factory=time.monotonic)
+
+
+def _in_thread(func: Callable[..., Any], *args: Any) -> None:
+    """Run ``func(*args)`` in a daemon thread that closes its connections at the end."""
+
+    def run() -> None:
+        try:
+            func(*args)
+        finally:
+            connections.close_all()
+            close_private_connections()
+
+    threading.Thread(target=run, name="django-dlock-give-back", daemon=True).start()
+
+
 class Outage:
     """A waiter's step failed because the database was unreachable."""
 
@@ -87,6 +122,7 @@ class Outage:
 
 
 TABLE = "django_dlock_lock"
+WAITERS = queue.WAITERS
 NOTIFY_CHANNEL = "django_dlock"
 
 # PostgreSQL acquire, with {new_fence} and {returning} filled per durability.
@@ -102,7 +138,10 @@ ON CONFLICT (name) DO UPDATE SET
     acquired_at = CASE WHEN l.token = EXCLUDED.token AND l.expire_at > statement_timestamp()
                        THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
     expire_at = EXCLUDED.expire_at
-WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token
+WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
+   OR (l.expire_at <= statement_timestamp() AND NOT EXISTS (
+        SELECT 1 FROM {WAITERS} w WHERE w.name = l.name
+        AND w.expire_at > statement_timestamp() AND w.id < %s))
 RETURNING fence{{returning}}
 """
 # Fast durability (DLOCK_LEASE_SYNCHRONOUS_COMMIT = False): the statement's
@@ -119,6 +158,13 @@ _PG_ACQUIRE_SQL = {
     )
     for durable in (True, False)
 }
+# A waiter's acquire: its ticket goes in the same statement as it is granted.
+_PG_ACQUIRE_TICKET_SQL = {
+    durable: f"WITH taken AS ({sql}), "
+    f"gone AS (DELETE FROM {WAITERS} WHERE id = %s AND EXISTS (SELECT 1 FROM taken)) "
+    "SELECT fence FROM taken"
+    for durable, sql in _PG_ACQUIRE_SQL.items()
+}
 
 _SQLITE_ACQUIRE = f"""
 INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at)
@@ -133,12 +179,17 @@ ON CONFLICT (name) DO UPDATE SET
     acquired_at = CASE WHEN {TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}}
                        THEN {TABLE}.acquired_at ELSE excluded.acquired_at END,
     expire_at = excluded.expire_at
-WHERE {TABLE}.expire_at <= {{now}} OR {TABLE}.token = excluded.token
+WHERE ({TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}})
+   OR ({TABLE}.expire_at <= {{now}} AND NOT EXISTS (
+        SELECT 1 FROM {WAITERS} w WHERE w.name = {TABLE}.name
+        AND w.expire_at > {{now}} AND w.id < %s))
 RETURNING fence
 """.format(now=dbclock._NOW["sqlite"], now_plus=dbclock._NOW_PLUS["sqlite"])
 
 _MYSQL_SELECT = (
-    f"SELECT token, expire_at <= UTC_TIMESTAMP(6), fence FROM {TABLE} WHERE name = %s FOR UPDATE"
+    f"SELECT token, expire_at <= UTC_TIMESTAMP(6), fence, EXISTS ("
+    f"SELECT 1 FROM {WAITERS} w WHERE w.name = %s AND w.expire_at > UTC_TIMESTAMP(6) "
+    f"AND w.id < %s) FROM {TABLE} WHERE name = %s FOR UPDATE"
 )
 _MYSQL_TAKE = (
     # The first parameter says whether this is the caller's own live lease
@@ -171,13 +222,17 @@ WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token OR l.toke
 RETURNING fence
 """
 
+# Wakes the head of the key's queue, if any (nothing is sent when nobody
+# waits), and the candidates of an election, which listen by name.
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
     RETURNING name{{returning}}
 )
-SELECT pg_notify('{NOTIFY_CHANNEL}', name) FROM released
+SELECT {queue.PG_WAKE_HEAD.format(name="released.name")},
+       CASE WHEN left(name, 7) = 'leader:' THEN pg_notify('{NOTIFY_CHANNEL}', name) END
+FROM released
 """
 _PG_RELEASE_SQL = {
     durable: _PG_RELEASE.format(returning="" if durable else _FAST_COMMIT)
@@ -215,27 +270,45 @@ class LeaseStrategy:
             return Grant(fence)
         if deadline.expired():
             return None
-        listen = self._listener(req.alias)
-        waiter = notify.Waiter()
-        if listen is not None:
-            listen.wait_ready(min(1.0, deadline.remaining()))
-            listen.register(req.key.name, waiter)
+        ticket = queue.enqueue(req)
+        return self.wait_ticket(req, ticket, deadline, policy)
+
+    def wait_ticket(
+        self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        """Wait with ``ticket`` until granted (the ticket is then gone) or the deadline.
+
+        The place is given up (the ticket deleted) on a timeout or an error.
+        """
+        granted = False
         try:
-            plan = self._plan(deadline, policy, listen)
-            step = next(plan)
-            while True:
-                kind, pause = step
-                if kind == "sleep":
-                    result: Any = waiter.thread_event.wait(pause)
-                    waiter.clear()
-                else:
-                    result = self._step(kind, req)
-                step = plan.send(result)
-        except StopIteration as done:
-            return None if done.value is None else Grant(done.value)
-        finally:
+            listen = self._listener(req.alias)
+            waiter = notify.Waiter()
+            payload = queue.wake_payload(ticket)
             if listen is not None:
-                listen.unregister(req.key.name, waiter)
+                listen.wait_ready(min(1.0, deadline.remaining()))
+                listen.register(payload, waiter)
+            try:
+                place = _Place(ticket)
+                plan = self._plan(deadline, policy, listen)
+                step = next(plan)
+                while True:
+                    kind, pause = step
+                    if kind == "sleep":
+                        result: Any = waiter.thread_event.wait(pause)
+                        waiter.clear()
+                    else:
+                        result = self._step(kind, req, place)
+                    step = plan.send(result)
+            except StopIteration as done:
+                granted = done.value is not None
+                return None if done.value is None else Grant(done.value)
+            finally:
+                if listen is not None:
+                    listen.unregister(payload, waiter)
+        finally:
+            if not granted:
+                queue.leave(req.alias, ticket)
 
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
@@ -245,33 +318,64 @@ class LeaseStrategy:
             return Grant(fence)
         if deadline.expired():
             return None
-        listen = self._listener(req.alias)
-        waiter = notify.Waiter(asyncio.get_running_loop())
-        assert waiter.async_event is not None
-        if listen is not None:
-            await sync_to_async(listen.wait_ready, thread_sensitive=False)(
-                min(1.0, deadline.remaining())
-            )
-            listen.register(req.key.name, waiter)
+        ticket = await self.aenqueue(req)
+        return await self.await_ticket(req, ticket, deadline, policy)
+
+    async def aenqueue(self, req: Request) -> int:
+        """Take a ticket off the event loop; a cancellation meanwhile leaves none behind."""
+        task = asyncio.ensure_future(sync_to_async(queue.enqueue)(req))
         try:
-            plan = self._plan(deadline, policy, listen)
-            step = next(plan)
-            while True:
-                kind, pause = step
-                result: Any
-                if kind == "sleep":
-                    result = False
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        result = await asyncio.wait_for(waiter.async_event.wait(), pause)
-                    waiter.clear()
-                else:
-                    result = await self._attempt(functools.partial(self._step, kind), req)
-                step = plan.send(result)
-        except StopIteration as done:
-            return None if done.value is None else Grant(done.value)
-        finally:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def done(finished: asyncio.Future[int]) -> None:
+                if not finished.cancelled() and finished.exception() is None:
+                    _in_thread(queue.leave, req.alias, finished.result())
+
+            task.add_done_callback(done)
+            raise
+
+    async def await_ticket(
+        self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        """Async :meth:`wait_ticket`: a cancelled wait leaves no ticket and no lock."""
+        granted = False
+        try:
+            listen = self._listener(req.alias)
+            waiter = notify.Waiter(asyncio.get_running_loop())
+            assert waiter.async_event is not None
+            payload = queue.wake_payload(ticket)
             if listen is not None:
-                listen.unregister(req.key.name, waiter)
+                await sync_to_async(listen.wait_ready, thread_sensitive=False)(
+                    min(1.0, deadline.remaining())
+                )
+                listen.register(payload, waiter)
+            try:
+                place = _Place(ticket)
+                plan = self._plan(deadline, policy, listen)
+                step = next(plan)
+                while True:
+                    kind, pause = step
+                    result: Any
+                    if kind == "sleep":
+                        result = False
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            result = await asyncio.wait_for(waiter.async_event.wait(), pause)
+                        waiter.clear()
+                    else:
+                        step_of = functools.partial(self._step_of, kind, place)
+                        result = await self._attempt(step_of, req)
+                    step = plan.send(result)
+            except StopIteration as done:
+                granted = done.value is not None
+                return None if done.value is None else Grant(done.value)
+            finally:
+                if listen is not None:
+                    listen.unregister(payload, waiter)
+        finally:
+            if not granted:
+                leave = sync_to_async(queue.leave)
+                await asyncio.shield(leave(req.alias, ticket))
 
     async def _attempt(self, step: Callable[[Request], Any], req: Request) -> Any:
         """Run one acquiring step in a worker thread, safe against cancellation.
@@ -326,17 +430,38 @@ class LeaseStrategy:
             connections[req.alias].close()
             close_private_connections()
 
-    def _step(self, kind: str, req: Request) -> Any:
-        """A waiter's look ("left") or try ("try"); an :class:`Outage` if the database is away."""
+    def _step_of(self, kind: str, place: _Place, req: Request) -> Any:
+        return self._step(kind, req, place)
+
+    def _step(self, kind: str, req: Request, place: _Place) -> Any:
+        """A waiter's look ("look": a read, and the ticket's renewal when due) or
+        try ("try": take the lease with the ticket); an :class:`Outage` if the
+        database is away."""
         try:
-            if kind == "left":
-                return self.seconds_left(req.alias, req.key)
-            return self.try_acquire(req)
+            if kind == "try":
+                return self.try_acquire(req, place.ticket)
+            now = time.monotonic()
+            if now - place.renewed >= queue.renew_every():
+                queue.beat(req, place.ticket)
+                place.renewed = now
+            return self._look(req, place.ticket)
         except (OperationalError, InterfaceError) as exc:
             logger.warning(
                 "django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc
             )
             return Outage(exc)
+
+    def _look(self, req: Request, ticket: int) -> Look:
+        """One read: seconds until the lease ends, and whether a live ticket is ahead."""
+        found = self._read(
+            req.alias,
+            f"SELECT (SELECT {{left}} FROM {TABLE} WHERE name = %s), "
+            f"CASE WHEN EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = %s "
+            "AND w.expire_at > {now} AND w.id < %s) THEN 1 ELSE 0 END",
+            [req.key.name, req.key.name, ticket],
+        )
+        left = -1.0 if found is None or found[0] is None else float(found[0])
+        return Look(left, bool(found[1]) if found is not None else False)
 
     def _listener(self, alias: str) -> notify.Listener | None:
         if connections[alias].vendor != "postgresql":
@@ -346,12 +471,16 @@ class LeaseStrategy:
     def _plan(
         self, deadline: Deadline, policy: RetryInterval, listen: notify.Listener | None
     ) -> Generator[Step, Any, int | None]:
-        """How a waiter waits, as steps for a sync or an async driver.
+        """How a waiter with a ticket waits, as steps for a sync or an async driver.
 
-        Look cheaply (a read) before writing: only when the lease has ended
-        is an acquisition tried. Between looks, park until a NOTIFY wakes us
-        (PostgreSQL) or the retry interval passes (elsewhere), and never
-        past the end of the current lease or of the deadline.
+        Each turn tries to take the lease with the ticket (granted only when
+        the lease is free and no live ticket is ahead), else renews the
+        ticket and reads how long the current lease runs. The first turn
+        comes right after the ticket was taken and the wake-up registered,
+        so a release in between is never slept through. Between turns, park
+        until a NOTIFY addressed to this ticket wakes us (PostgreSQL) or the
+        retry interval passes (elsewhere), never past the end of the current
+        lease, the deadline, or a quarter of the ticket's own lease.
 
         A waiter rides out an outage of the database (a restart, a dropped
         connection): it backs off and looks again until its deadline, and
@@ -360,19 +489,17 @@ class LeaseStrategy:
         attempt = 0
         woken = False
         while True:
-            # Woken by a NOTIFY: the lock was just released, try at once.
-            left: float | Outage = 0.0 if woken else (yield ("left", 0.0))
-            if not isinstance(left, Outage) and left <= 0:
+            # Woken by a NOTIFY addressed to this ticket: try at once.
+            look: Look | Outage = Look(0.0, False) if woken else (yield ("look", 0.0))
+            if not isinstance(look, Outage) and look.left <= 0 and not look.ahead:
                 fence: int | None | Outage = yield ("try", 0.0)
                 if isinstance(fence, Outage):
-                    left = fence
+                    look = fence
                 elif fence is not None:
                     return fence
-                else:
-                    left = 0.0
-            if isinstance(left, Outage):
+            if isinstance(look, Outage):
                 if deadline.expired():
-                    raise left.error
+                    raise look.error
                 pause = min(MAX_OUTAGE_PAUSE, max(0.05, interval(policy, attempt)))
                 yield ("sleep", min(pause, deadline.remaining()))
                 attempt += 1
@@ -380,33 +507,58 @@ class LeaseStrategy:
                 continue
             if deadline.expired():
                 return None
+            left = look.left
             if listen is not None and listen.healthy:
-                pause = min(MAX_PARK, left + EXPIRY_MARGIN)
+                pause = MAX_PARK if left <= 0 else min(MAX_PARK, left + EXPIRY_MARGIN)
             else:
                 pause = interval(policy, attempt)
                 if left > 0:
                     pause = min(pause, left + EXPIRY_MARGIN)
+            pause = min(pause, queue.renew_every())
             woken = bool((yield ("sleep", max(0.0, min(pause, deadline.remaining())))))
             attempt += 1
 
-    def try_acquire(self, req: Request) -> int | None:
+    def try_acquire(self, req: Request, ticket: int | None = None) -> int | None:
+        """Take the lease if it is free and no live ticket is ahead; the fencing number.
+
+        Without ``ticket`` (a newcomer) every live ticket is ahead. With it,
+        the granted ticket is deleted.
+        """
         # Retrying after a dropped connection is safe: the same token
         # re-acquires its own lease with the same fencing number.
-        fence, _ = with_reconnect(req.alias, lambda connection: self._acquire_on(connection, req))
+        fence, _ = with_reconnect(
+            req.alias, lambda connection: self._acquire_on(connection, req, ticket)
+        )
         return fence
 
-    def _acquire_on(self, connection: BaseDatabaseWrapper, req: Request) -> int | None:
+    def _acquire_on(
+        self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
+    ) -> int | None:
         vendor = dbclock.vendor(connection)
         if vendor == "mysql":
-            return self._mysql_acquire(connection, req)
+            return self._mysql_acquire(connection, req, ticket)
+        params = [req.key.name, req.token, req.owner, req.ttl, queue.NEWCOMER]
         if vendor == "postgresql":
+            if ticket is not None:
+                params[-1] = ticket
+                sql = _PG_ACQUIRE_TICKET_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+                row = fetch_one(connection, sql, [*params, ticket], True)
+                return None if row is None else int(row[0])
             sql = _PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
         else:
             sql = _SQLITE_ACQUIRE
-        row = fetch_one(connection, sql, [req.key.name, req.token, req.owner, req.ttl], True)
-        return None if row is None else int(row[0])
+            if ticket is not None:
+                params[-1] = ticket
+        row = fetch_one(connection, sql, params, True)
+        if row is None:
+            return None
+        if ticket is not None:
+            queue.forget(connection, ticket)
+        return int(row[0])
 
-    def _mysql_acquire(self, connection: BaseDatabaseWrapper, req: Request) -> int | None:
+    def _mysql_acquire(
+        self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
+    ) -> int | None:
         # One short transaction: lock the row, decide, write. A missing row
         # is inserted above the fence floor; two racing inserters are told
         # apart by the unique index (the loser retries once).
@@ -414,7 +566,7 @@ class LeaseStrategy:
             with cursor(connection) as cur:
                 cur.execute("START TRANSACTION")
                 try:
-                    fence = self._mysql_take(cur, req)
+                    fence = self._mysql_take(cur, req, ticket)
                 except IntegrityError:
                     cur.execute("ROLLBACK")
                     continue
@@ -425,25 +577,28 @@ class LeaseStrategy:
                 return fence
         return None
 
-    def _mysql_take(self, cur: Any, req: Request) -> int | None:
-        cur.execute(_MYSQL_SELECT, [req.key.name])
+    def _mysql_take(self, cur: Any, req: Request, ticket: int | None) -> int | None:
+        place = queue.NEWCOMER if ticket is None else ticket
+        cur.execute(_MYSQL_SELECT, [req.key.name, place, req.key.name])
         row = cur.fetchone()
         if row is None:
             cur.execute(_MYSQL_FLOOR)
             floor = cur.fetchone()
             fence = (int(floor[0]) if floor else 0) + 1
             cur.execute(_MYSQL_INSERT, [req.key.name, req.token, req.owner, fence, req.ttl])
-            return fence
-        token, free, fence = row[0], bool(row[1]), int(row[2])
-        own = token == req.token and not free
-        if own:
-            new_fence = fence
-        elif free:
-            new_fence = fence + 1
         else:
-            return None
-        cur.execute(_MYSQL_TAKE, [own, req.token, req.owner, new_fence, req.ttl, req.key.name])
-        return new_fence
+            token, free, fence, ahead = row[0], bool(row[1]), int(row[2]), bool(row[3])
+            own = token == req.token and not free
+            if own:
+                pass
+            elif free and not ahead:
+                fence += 1
+            else:
+                return None
+            cur.execute(_MYSQL_TAKE, [own, req.token, req.owner, fence, req.ttl, req.key.name])
+        if ticket is not None:
+            cur.execute(f"DELETE FROM {WAITERS} WHERE id = %s", [ticket])
+        return fence
 
     # -- release, extend, inspect ---------------------------------------------
 

@@ -532,7 +532,7 @@ class QuorumLease:
         mine = dataclasses.replace(req, token=token)
 
         def acquire_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
-            return lambda connection: lease._acquire_on(connection, mine)
+            return lambda connection: lease._acquire_on(connection, mine, None)
 
         first = _run_round(
             self.aliases, req.ttl, end, acquire_on, lambda fence: fence is not None, self.need

@@ -2,7 +2,7 @@
 
 Options: ``--quick`` (fewer, shorter rounds: a smoke run), ``--rounds``,
 ``--seconds`` (per round), ``--only SECTION`` (repeatable: uncontended,
-handoff, scale, failover, scaling, memory), ``--no-write`` (print only).
+handoff, queue, scale, failover, scaling, memory), ``--no-write`` (print only).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = ("uncontended", "handoff", "scale", "failover", "scaling", "memory")
+ALL = ("uncontended", "handoff", "queue", "scale", "failover", "scaling", "memory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         print("hand-off under contention ...", file=sys.stderr)
         hand = handoff.run(seconds=2.0 if args.quick else 5.0)
         sections["2. Hand-off under contention (4 processes, one key)"] = report.handoff_table(hand)
+    queued = None
+    if "queue" in only:
+        from . import queue_release
+
+        print("release with 1,000 queued waiters ...", file=sys.stderr)
+        queued = queue_release.run(600 if args.quick else 3_000)
+        sections["7. Release with 1,000 waiters queued (lease)"] = queue_release.table(queued)
     if "scale" in only:
         from . import scale
 
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         sections["6. Memory and sessions of one process"] = report.memory_table(memory.run())
 
     sections = {
-        "Targets": report.targets(unc, hand, acq, cleanups, points),
+        "Targets": report.targets(unc, hand, acq, cleanups, points, queued),
         **sections,
     }
     text = report.markdown(sections, report.meta())

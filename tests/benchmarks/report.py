@@ -11,6 +11,7 @@ from .common import Series
 from .failover import TIMING, Failover
 from .handoff import Handoff
 from .memory import Memory
+from .queue_release import QueueRelease
 from .scale import Cleanup
 from .scaling import Point
 from .uncontended import FLOORS
@@ -99,6 +100,7 @@ def targets(
     acq: dict[str, Series],
     cleanups: list[Cleanup],
     points: list[Point] | None = None,
+    queued: QueueRelease | None = None,
 ) -> list[str]:
     """The targets, judged on this run's numbers."""
     rows: list[tuple[str, str, bool]] = []
@@ -135,6 +137,19 @@ def targets(
             by["lease"].p50_ms,
             by["lease"].p50_ms < prl,
             "{:.2f} ms",
+        )
+        changes = by["lease"].holder_changes
+        add(
+            "`lease` holder changes >= 95 % under 4-process contention (FIFO queue)",
+            changes * 100,
+            changes >= 0.95,
+            "{:.0f} %",
+        )
+    if queued is not None:
+        add(
+            "`lease` release with 1,000 waiters queued <= 2x with nobody waiting",
+            queued.ratio,
+            queued.ratio <= 2.0,
         )
     if acq:
         empty, big = (s.rate for s in acq.values())

@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 
 from django_dlock import operations as override
+from django_dlock.strategies import queue
 
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -30,6 +31,15 @@ def seconds_text(lease: override.Lease) -> str:
     if lease.state == "held":
         return f"{lease.seconds_left:.1f} s left"
     return f"ended {abs(lease.seconds_left):.1f} s ago"
+
+
+def waiter_counts(using: str, names: list[str]) -> dict[str, int]:
+    """How many live waiters queue for each of ``names`` (lease strategy)."""
+    counts: dict[str, int] = {}
+    for name, _ticket, _owner, _since, live in queue.waiters(using, names):
+        if live:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def resolve_alias(using: str | None) -> str:
@@ -64,6 +74,7 @@ class Command(BaseCommand):
         what = "Lease rows" if options["all"] else "Held leases"
         self.stdout.write(f"{what} in {using!r}: {len(leases)}")
         if leases:
+            queued = waiter_counts(using, [lease.name for lease in leases])
             rows = [
                 [
                     lease.name,
@@ -72,10 +83,12 @@ class Command(BaseCommand):
                     str(lease.fence),
                     lease.token_prefix,
                     seconds_text(lease),
+                    str(queued.get(lease.name, 0)),
                 ]
                 for lease in leases
             ]
-            for line in table(["NAME", "STATE", "OWNER", "FENCE", "TOKEN", "EXPIRES"], rows):
+            headers = ["NAME", "STATE", "OWNER", "FENCE", "TOKEN", "EXPIRES", "WAITERS"]
+            for line in table(headers, rows):
                 self.stdout.write(line)
         if override.is_postgresql(using):
             advisory = override.advisory_locks(using)

@@ -7,14 +7,15 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_dlock import operations as override
-from django_dlock.management.commands.dlock_list import resolve_alias, seconds_text
+from django_dlock.management.commands.dlock_list import resolve_alias, seconds_text, table
+from django_dlock.strategies import queue
 
 
 class Command(BaseCommand):
     help = (
         'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
-        "its lease row and who holds its advisory lock (PostgreSQL: or awaits it; "
-        "MySQL/MariaDB: IS_USED_LOCK)."
+        "its lease row, the waiters queued for it, and who holds its advisory lock "
+        "(PostgreSQL: or awaits it; MySQL/MariaDB: IS_USED_LOCK)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -50,6 +51,7 @@ class Command(BaseCommand):
             width = max(len(label) for label, _ in fields)
             for label, value in fields:
                 self.stdout.write(f"{label.ljust(width)}  {value}")
+            self._waiters(using, lease.name)
         if key is not None:
             self.stdout.write(f"advisory key  {key}")
             for lk in advisory:
@@ -59,3 +61,27 @@ class Command(BaseCommand):
         if user_lock is not None and user_lock[1] is not None:
             self.stdout.write(f"GET_LOCK name  {user_lock[0]}")
             self.stdout.write(f"  held by connection {user_lock[1]}")
+
+    def _waiters(self, using: str, name: str) -> None:
+        """The key's queue (lease strategy): position, ticket, owner, waiting since."""
+        found = queue.waiters(using, [name])
+        live = [row for row in found if row[4]]
+        self.stdout.write(f"waiters  {len(live)}")
+        if not found:
+            return
+        rows = []
+        position = 0
+        for _name, ticket, owner, since, is_live in found:
+            if is_live:
+                position += 1
+            rows.append(
+                [
+                    str(position) if is_live else "-",
+                    str(ticket),
+                    owner or "-",
+                    since.isoformat(),
+                    "waiting" if is_live else "dead (ticket ran out)",
+                ]
+            )
+        for line in table(["POSITION", "TICKET", "OWNER", "WAITING SINCE", "STATE"], rows):
+            self.stdout.write(f"  {line}")

@@ -1,0 +1,74 @@
+"""Two-phase acquire on the ``advisory`` strategy (PostgreSQL): a pending lock.
+
+``Lock.enqueue()`` on a busy key starts ``pg_advisory_lock`` on the holder's
+dedicated session, in a thread of its own: the statement waits in
+PostgreSQL's own lock queue, which grants the key first come, first served,
+so the place is held by the server while the caller does other work.
+``Lock.wait(timeout)`` waits for that statement; on a timeout it cancels the
+wait in the server, and a lock granted in the meantime is given back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+from django.db import connections
+
+from django_dlock.identity import Holder
+from django_dlock.retry import Deadline
+from django_dlock.strategies.base import Grant, Request, Strategy
+from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire
+
+#: longest a give-up waits for the cancelled statement to come back
+GIVE_UP_SECONDS = 30.0
+
+
+def pending_capable(strategy: Strategy, vendor: str) -> SessionAsyncAcquire | None:
+    """The PostgreSQL advisory implementation behind ``strategy``, if it is one."""
+    from django_dlock.strategies.advisory import AdvisoryStrategy
+    from django_dlock.strategies.vendors import ByVendor
+
+    found = strategy.for_vendor(vendor) if isinstance(strategy, ByVendor) else strategy
+    return found if isinstance(found, AdvisoryStrategy) else None
+
+
+class Pending:
+    """A ``pg_advisory_lock`` waiting in PostgreSQL's queue for one holder."""
+
+    def __init__(self, strategy: SessionAsyncAcquire, req: Request, holder: Holder) -> None:
+        self.strategy = strategy
+        self.req = req
+        self.waiter = AsyncWait()
+        self.future: concurrent.futures.Future[Grant | None] = concurrent.futures.Future()
+        threading.Thread(
+            target=self._run, args=(holder,), name="django-dlock-pending", daemon=True
+        ).start()
+
+    def _run(self, holder: Holder) -> None:
+        try:
+            result = self.strategy._acquire(self.req, Deadline(None), lambda: holder, self.waiter)
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+        finally:
+            connections.close_all()
+
+    def wait(self, timeout: float | None) -> Grant | None:
+        """The grant, or ``None`` after giving the place up at ``timeout``."""
+        try:
+            return self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self.give_up()
+            return None
+
+    def give_up(self) -> None:
+        """Cancel the wait in the server; give back a lock granted meanwhile."""
+        self.waiter.cancel()
+        try:
+            grant = self.future.result(GIVE_UP_SECONDS)
+        except Exception:
+            return
+        if grant is not None:  # granted just before the cancellation reached it
+            self.strategy.release(self.req)

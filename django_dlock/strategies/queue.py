@@ -1,0 +1,270 @@
+"""The waiter queue of the ``lease`` strategy: first come, first served.
+
+A caller that finds a lease key held takes a *ticket*: a row in the
+``django_dlock_waiter`` table whose ``id`` comes from the table's monotonic
+sequence. The key then goes to the live ticket with the lowest number (the
+*head*) when it is freed, and nobody barges past live tickets: a newcomer's
+acquire (also a try-once, ``timeout=0``) checks, in the same statement that
+takes the lease, that no live ticket waits for the key; a waiter's acquire
+checks that no live ticket is ahead of its own.
+
+Each ticket has a short lease of its own (``expire_at``, judged on the
+database clock like every lease, ``DLOCK_QUEUE_TICKET_TTL`` seconds), renewed
+by its waiter at the latest halfway through it. A waiter that dies (a killed
+process, a lost connection) stops renewing: its ticket runs out,
+is skipped, and ``dlock_cleanup`` removes it. A waiter that times out or is
+cancelled deletes its ticket.
+
+Wake-ups on PostgreSQL: a release sends ``pg_notify`` only when the key has
+live tickets, addressed to the head's ticket alone (payload
+``django-dlock-ticket:<id>``), so one waiter wakes, not the herd. Elsewhere
+waiters poll at the retry policy's interval, still in ticket order.
+
+A ticket taken by ``Lock.enqueue()`` is renewed by a keeper thread of the
+process until its owner calls ``wait()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from django.conf import settings
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_dlock import dbclock
+from django_dlock.strategies.base import Request, cursor, execute, fetch_one, with_reconnect
+
+logger = logging.getLogger("django_dlock")
+
+WAITERS = "django_dlock_waiter"
+LOCKS = "django_dlock_lock"
+CHANNEL = "django_dlock"
+#: payload prefix of a wake-up addressed to one ticket (lock names are namespaced)
+WAKE_PREFIX = "django-dlock-ticket:"
+#: longest ticket lease accepted (a dead waiter blocks its queue this long)
+MAX_TICKET_TTL = 3600.0
+#: the ticket number of a caller without a ticket: every live ticket is ahead of it
+NEWCOMER = 2**62
+
+
+def ticket_ttl() -> float:
+    """Seconds a ticket stays live without renewal (``DLOCK_QUEUE_TICKET_TTL``, default 6).
+
+    Raises:
+        ValueError: the setting is not a number of seconds > 0.
+    """
+    value = getattr(settings, "DLOCK_QUEUE_TICKET_TTL", 6.0)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_TICKET_TTL
+    ):
+        raise ValueError(
+            f"the DLOCK_QUEUE_TICKET_TTL setting must be a number of seconds > 0 and "
+            f"<= {MAX_TICKET_TTL:g}, got {value!r}"
+        )
+    return float(value)
+
+
+def renew_every() -> float:
+    """How often a waiter renews its ticket (and looks at least): a quarter of its TTL,
+    so that a ticket is renewed at the latest halfway through its lease."""
+    return ticket_ttl() / 4
+
+
+def wake_payload(ticket: int) -> str:
+    return f"{WAKE_PREFIX}{ticket}"
+
+
+def none_ahead_sql(connection: BaseDatabaseWrapper, name: str) -> str:
+    """SQL: no live ticket for the key named by ``name`` (a column) is below ``%s``."""
+    now = dbclock.now_sql(connection)
+    return (
+        f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = {name} "
+        f"AND w.expire_at > {now} AND w.id < %s)"
+    )
+
+
+#: PostgreSQL: wake the head of ``{name}``'s queue (NULL when nobody waits)
+PG_WAKE_HEAD = (
+    f"(SELECT pg_notify('{CHANNEL}', '{WAKE_PREFIX}' || w.id) FROM {WAITERS} w "
+    "WHERE w.name = {name} AND w.expire_at > statement_timestamp() "
+    "ORDER BY w.id LIMIT 1)"
+)
+
+
+def enqueue(req: Request) -> int:
+    """Take a ticket for ``req``'s key; its number."""
+
+    def run(connection: BaseDatabaseWrapper) -> int:
+        now = dbclock.now_sql(connection)
+        now_plus = dbclock.now_plus_sql(connection)
+        params: list[Any] = [req.key.name, req.token, req.owner, ticket_ttl()]
+        sql = (
+            f"INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at) "
+            f"VALUES (%s, %s, %s, {now}, {now_plus})"
+        )
+        if connection.vendor == "mysql":
+            with cursor(connection) as cur:
+                cur.execute(sql, params)
+                return int(cur.lastrowid)
+        row = fetch_one(connection, sql + " RETURNING id", params)
+        return int(row[0])
+
+    ticket, _ = with_reconnect(req.alias, run)
+    return ticket
+
+
+def beat(req: Request, ticket: int) -> None:
+    """Renew a ticket's lease; put it back (same number) if it was removed meanwhile."""
+
+    def run(connection: BaseDatabaseWrapper) -> None:
+        now = dbclock.now_sql(connection)
+        now_plus = dbclock.now_plus_sql(connection)
+        _, count = execute(
+            connection,
+            f"UPDATE {WAITERS} SET expire_at = {now_plus} WHERE id = %s",
+            [ticket_ttl(), ticket],
+        )
+        if count:
+            return
+        # Cleaned up after it ran out (the waiter was stalled): same place.
+        execute(
+            connection,
+            f"INSERT INTO {WAITERS} (id, name, token, owner, enqueued_at, expire_at) "
+            f"VALUES (%s, %s, %s, %s, {now}, {now_plus})",
+            [ticket, req.key.name, req.token, req.owner, ticket_ttl()],
+        )
+
+    with_reconnect(req.alias, run)
+
+
+def forget(connection: BaseDatabaseWrapper, ticket: int) -> None:
+    """Delete a granted ticket (SQLite, MySQL/MariaDB; PostgreSQL does it in the acquire)."""
+    execute(connection, f"DELETE FROM {WAITERS} WHERE id = %s", [ticket])
+
+
+_PG_LEAVE = f"""
+WITH gone AS (DELETE FROM {WAITERS} WHERE id = %s RETURNING id, name)
+SELECT pg_notify('{CHANNEL}', '{WAKE_PREFIX}' || head.id)
+FROM gone CROSS JOIN LATERAL (
+    SELECT w.id FROM {WAITERS} w
+    WHERE w.name = gone.name AND w.id <> gone.id AND w.expire_at > statement_timestamp()
+    ORDER BY w.id LIMIT 1
+) head
+WHERE NOT EXISTS (
+    SELECT 1 FROM {LOCKS} l WHERE l.name = gone.name AND l.expire_at > statement_timestamp()
+)
+"""
+
+
+def leave(alias: str, ticket: int) -> None:
+    """Give a place up (timeout, cancellation, error): delete the ticket.
+
+    On PostgreSQL, if the key is free, the next waiter is woken in the same
+    statement (the leaver may have been the head).
+    """
+
+    def run(connection: BaseDatabaseWrapper) -> None:
+        if connection.vendor == "postgresql":
+            execute(connection, _PG_LEAVE, [ticket])
+        else:
+            forget(connection, ticket)
+
+    try:
+        with_reconnect(alias, run)
+    except Exception:
+        # The ticket runs out on its own within its TTL.
+        logger.exception("django-dlock: could not delete waiter ticket %s", ticket)
+
+
+def waiters(alias: str, names: Iterable[str]) -> list[tuple[str, int, str, Any, bool]]:
+    """The queue of each key: ``(name, ticket, owner, enqueued_at, live)`` in ticket order."""
+    from django.db.models import BooleanField, Case, Value, When
+
+    from django_dlock.dbclock import DbNow
+    from django_dlock.models import Waiter
+
+    rows = (
+        Waiter.objects.using(alias)
+        .filter(name__in=list(names))
+        .annotate(
+            live=Case(
+                When(expire_at__gt=DbNow(), then=Value(True)),
+                default=Value(False),
+                output_field=BooleanField(),
+            )
+        )
+        .order_by("name", "id")
+        .values_list("name", "id", "owner", "enqueued_at", "live")
+    )
+    return list(rows)
+
+
+# -- the keeper: renews tickets taken by enqueue() until wait() -----------------
+
+
+class _Keeper:
+    """A daemon thread that renews the tickets of callers between enqueue() and wait()."""
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        self.tickets: dict[int, Request] = {}
+        self.changed = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def add(self, req: Request, ticket: int) -> None:
+        with self.mutex:
+            self.tickets[ticket] = req
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(
+                    target=self._run, name="django-dlock-ticket-keeper", daemon=True
+                )
+                self.thread.start()
+
+    def remove(self, ticket: int) -> None:
+        with self.mutex:
+            self.tickets.pop(ticket, None)
+            if not self.tickets:
+                self.changed.set()  # let the thread end (and close its connection) now
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self.changed.wait(renew_every())
+                with self.mutex:
+                    self.changed.clear()
+                    found = list(self.tickets.items())
+                    if not found:
+                        self.thread = None
+                        return
+                for ticket, req in found:
+                    with self.mutex:
+                        if ticket not in self.tickets:
+                            continue
+                    try:
+                        beat(req, ticket)
+                    except Exception as exc:
+                        logger.warning(
+                            "django-dlock: could not renew waiter ticket %s: %s", ticket, exc
+                        )
+        finally:
+            connections.close_all()
+
+
+keeper = _Keeper()
+
+
+def _after_fork_in_child() -> None:
+    global keeper
+    keeper = _Keeper()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
