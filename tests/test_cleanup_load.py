@@ -37,7 +37,8 @@ def _rows(alias: str, prefix: str) -> int:
 def _free_rows(alias: str, count: int, prefix: str) -> None:
     held = [dlock.lock(f"{prefix}:{i}", using=alias) for i in range(count)]
     for lk in held:
-        lk.acquire(timeout=0)
+        # a timeout: on SQLite another process's write is contention too
+        assert lk.acquire(timeout=30)
     for lk in held:
         lk.release()
 

@@ -27,6 +27,7 @@ import django_dlock as dlock
 from django_dlock import notify, sessions
 from django_dlock.checks import database_messages
 from django_dlock.keys import make_key
+from django_dlock.strategies import queue
 from django_dlock.strategies.advisory import pg_locks_ids
 from django_dlock.strategies.base import close_private_connections
 
@@ -562,8 +563,15 @@ def test_a_direct_listen_connection_wakes_waiters_behind_pgbouncer(bouncer):
             assert listen.healthy is True
             holder = dlock.lock("pgb:wake", using=BOUNCER)
             holder.acquire()
+            # a waiter of another thread takes a ticket; a release wakes the
+            # head of the queue by its ticket
+            queued = dlock.lock("pgb:wake", using=BOUNCER)
+            assert in_thread(queued.enqueue) is False
+            from django_dlock.models import Waiter  # (not at import: child processes)
+
+            ticket = Waiter.objects.using("default").get(name=make_key("pgb:wake").name).pk
             waiter = notify.Waiter()
-            listen.register(make_key("pgb:wake").name, waiter)
+            listen.register(queue.wake_payload(ticket), waiter)
             holder.release()  # through PgBouncer: the NOTIFY reaches the direct listener
             assert waiter.thread_event.wait(10)
         finally:

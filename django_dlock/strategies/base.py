@@ -386,7 +386,9 @@ def _sqlite_within_deadline(
     connection.ensure_connection()
     raw = connection.connection
     (saved,) = raw.execute("PRAGMA busy_timeout").fetchone()
-    wait_ms = min(int(saved), max(0, int((end - time.monotonic()) * 1000)))
+    # like a statement through a pooler, each gets at least STATEMENT_FLOOR: a
+    # try-once (timeout=0) on a free key outlasts another writer's short commit
+    wait_ms = min(int(saved), int(max(end - time.monotonic(), STATEMENT_FLOOR) * 1000))
     raw.execute(f"PRAGMA busy_timeout = {wait_ms}")
     try:
         with cursor(connection) as cur:
