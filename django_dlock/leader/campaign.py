@@ -102,9 +102,17 @@ class Campaign:
         #: why the last leadership ended: "stepped down" or "lost: <reason>"
         self.stopped_reason: str | None = None
 
+    quorum: tuple[str, ...] | None
+
     @property
     def alias(self) -> str:
-        return lock_alias(self.using)
+        """The election's database (on a quorum: the first one, for the I/O thread)."""
+        return self.quorum[0] if self.quorum else lock_alias(self.using)
+
+    def _listened(self) -> list[str]:
+        """The databases whose release notifications wake this candidate."""
+        aliases = self.quorum or (self.alias,)
+        return [alias for alias in aliases if connections[alias].vendor == "postgresql"]
 
     @property
     def identity(self) -> str:
@@ -188,11 +196,12 @@ class Campaign:
         label = f"django-dlock-elect {self.key.name}"
         self._io = IOThread(self.alias, label, self._backend)
         self._req = self._new_request()
-        listen: notify.Listener | None = None
+        listening: list[notify.Listener] = []
         try:
-            if connections[self.alias].vendor == "postgresql":
-                listen = notify.listener(self.alias)
+            for alias in self._listened():
+                listen = notify.listener(alias)
                 listen.register(self.key.name, self._wake)
+                listening.append(listen)
             self._loop()
         except BaseException as exc:
             self._error = exc
@@ -200,7 +209,7 @@ class Campaign:
             if self._leadership is not None:
                 self._end_term(f"the election failed: {exc}", graceful=False)
         finally:
-            if listen is not None:
+            for listen in listening:
                 listen.unregister(self.key.name, self._wake)
             self._io.close()
             close_thread_connections()
