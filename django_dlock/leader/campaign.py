@@ -56,6 +56,10 @@ EXPIRY_MARGIN = 0.01
 __all__ = ["EXPIRY_MARGIN", "Campaign"]
 
 
+class NoAnswer(TimeoutError):
+    """A database call of the election was abandoned at its deadline."""
+
+
 class Campaign:
     """The election's state and the thread that campaigns, leads and steps down.
 
@@ -272,7 +276,9 @@ class Campaign:
         future = self._io.submit(func, *args)
         try:
             return True, future.result(timeout=max(0.0, until - submitted))
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as exc:
+            if future.done():  # the call itself raised a TimeoutError (a LockTimeout)
+                return False, exc
             old_io, old_req = self._io, self._req
             old_io.submit(self._backend.release, old_req)
             old_io.close()
@@ -280,7 +286,7 @@ class Campaign:
             self._io = IOThread(self.alias, label, self._backend)
             self._req = self._new_request()
             waited = _now() - submitted
-            return False, TimeoutError(f"the database did not answer within {waited:.3g} s")
+            return False, NoAnswer(f"the database did not answer within {waited:.3g} s")
         except Exception as exc:
             return False, exc
 
@@ -348,7 +354,7 @@ class Campaign:
                 else "the lease was taken over or force-released"
             )
             return 0.0
-        if _now() >= deadline or isinstance(result, TimeoutError):
+        if _now() >= deadline or isinstance(result, NoAnswer):
             self._lose(
                 f"could not renew within renew_deadline ({self.renew_deadline:g} s): {result}"
             )
