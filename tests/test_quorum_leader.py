@@ -16,6 +16,7 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 
 import django_dlock as dlock
+from django_dlock import notify
 from django_dlock.strategies import quorum
 
 from .helpers import wait_until
@@ -26,6 +27,13 @@ DATABASES = ["default", *QUORUM]
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
 
 NAME = "leader:{}"
+
+
+@pytest.fixture(autouse=True)
+def _close_workers() -> Iterator[None]:
+    yield
+    quorum.close_all()
+    notify.stop_all()
 
 
 @pytest.fixture
@@ -207,3 +215,28 @@ def test_runworker_on_a_quorum_runs_the_job_on_one_worker_and_fails_over(tmp_pat
     table = check_terms(read_runs(runs))
     assert [pid for _, pid, _, _ in table] == [first.pid, second.pid]
     assert "Traceback" not in second.stderr()
+
+
+# -- a quorum of different database engines ------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "q1", "sqlite", "mysql"])
+def test_a_quorum_of_postgresql_sqlite_and_mariadb_elects_one_leader():
+    aliases = ["q1", "sqlite", "mysql"]
+    first = dlock.LeaderElection("mixed", using=aliases, lease=6, renew_deadline=3, retry=0.5)
+    second = dlock.LeaderElection("mixed", using=aliases, lease=6, renew_deadline=3, retry=0.5)
+    first.start()
+    try:
+        wait_until(lambda: first.is_leader, 30)
+        second.start()
+        record = first.leader()
+        assert record is not None
+        assert (record.identity, record.term) == (first.identity, first.term)
+        assert record.since is not None and record.since <= record.renewed < record.expires
+        first.stop()
+        wait_until(lambda: second.is_leader, 30)
+        assert second.term > record.term
+        assert second.leader().term == second.term
+    finally:
+        first.stop()
+        second.stop()

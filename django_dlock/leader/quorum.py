@@ -18,6 +18,10 @@ nothing: the majority that remains renews.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
+
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
@@ -61,11 +65,11 @@ class QuorumBackend:
         for owner, held in by_owner.items():
             if len(held) >= self.quorum.need:
                 top = max(held, key=lambda row: row.fence)
-                expires = max(row.expires for row in held)
+                expires = max(_aware(row.expires) for row in held)
                 return LeaderRecord(
                     identity=owner,
                     term=top.fence,
-                    since=top.since,
+                    since=_aware(top.since) if top.since is not None else None,
                     renewed=expires - dt.timedelta(seconds=lease),
                     expires=expires,
                 )
@@ -78,3 +82,12 @@ class QuorumBackend:
 
     def close(self) -> None:
         return None
+
+
+def _aware(value: Any) -> dt.datetime:
+    """A time read with raw SQL as an aware datetime (SQLite gives text, MySQL naive UTC)."""
+    if isinstance(value, str):
+        value = parse_datetime(value)
+    if not isinstance(value, dt.datetime):
+        raise TypeError(f"not a time: {value!r}")
+    return timezone.make_aware(value, dt.timezone.utc) if timezone.is_naive(value) else value
