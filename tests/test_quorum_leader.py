@@ -7,7 +7,9 @@ Waits are bounded ("within N seconds" bounds a wait, never a speed claim).
 
 from __future__ import annotations
 
+import logging
 import signal
+import time
 from collections.abc import Iterator
 from io import StringIO
 
@@ -140,6 +142,27 @@ def test_a_leader_keeps_leading_with_one_database_down_and_steps_down_without_a_
         bring_up("q1")
         bring_up("q3")
         leader.stop()
+
+
+def test_without_a_majority_a_candidate_tries_once_per_retry_period(outage, caplog):
+    # Each failed round gives back the lease it took on the database that is
+    # up, and that release notifies: a candidate woken by it would try again
+    # at once, in a loop. Between two attempts it sleeps at least
+    # 0.8 * retry (the jitter's floor), so 4 s allow at most 11 attempts.
+    caplog.set_level(logging.WARNING, logger="django_dlock")
+    take_down("q1")
+    take_down("q3")
+    candidate = election("q-spin", retry=0.5)
+    candidate.start()
+    try:
+        time.sleep(4)
+    finally:
+        candidate.stop()
+    attempts = [r for r in caplog.records if "campaign attempt failed" in r.getMessage()]
+    assert attempts, "the candidate never tried"
+    assert all("QuorumUnavailable" in r.getMessage() for r in attempts)
+    assert len(attempts) <= 11, len(attempts)
+    assert not candidate.is_leader
 
 
 def test_a_standby_takes_over_and_the_term_grows_across_changing_majorities(outage):

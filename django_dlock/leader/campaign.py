@@ -114,9 +114,16 @@ class Campaign:
         return self.quorum[0] if self.quorum else lock_alias(self.using)
 
     def _listened(self) -> list[str]:
-        """The databases whose release notifications wake this candidate."""
-        aliases = self.quorum or (self.alias,)
-        return [alias for alias in aliases if connections[alias].vendor == "postgresql"]
+        """The databases whose release notifications wake this candidate.
+
+        None on a quorum: a refused or failed round gives back the leases it
+        took, and each give-back notifies, which would wake the candidate
+        itself at once, again and again. Quorum candidates look every
+        ``retry`` period (and when the lease they saw should have ended).
+        """
+        if self.quorum or connections[self.alias].vendor != "postgresql":
+            return []
+        return [self.alias]
 
     @property
     def identity(self) -> str:
