@@ -255,7 +255,8 @@ def test_a_quorum_of_postgresql_sqlite_and_mariadb_elects_one_leader():
         record = first.leader()
         assert record is not None
         assert (record.identity, record.term) == (first.identity, first.term)
-        assert record.since is not None and record.since <= record.renewed < record.expires
+        # (since and expires may come from different databases, whose clocks differ)
+        assert record.since is not None and record.renewed < record.expires
         first.stop()
         wait_until(lambda: second.is_leader, 30)
         assert second.term > record.term
