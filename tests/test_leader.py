@@ -17,7 +17,7 @@ from django_dlock import signals
 from django_dlock.identity import worker
 from django_dlock.leader import Leadership, current_leadership
 
-from .helpers import expire_now, row, wait_until
+from .helpers import expire_now, in_thread, row, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -529,3 +529,23 @@ def test_a_renewal_moves_the_deadline_of_the_running_term(alias):
         first = seen._valid_until
         wait_until(lambda: seen._valid_until > first, 10)
         assert made.is_leader and not seen.ended
+
+
+def _terminate(pid: int) -> bool:
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT pg_terminate_backend(%s)", [pid])
+        return bool(cur.fetchone()[0])
+
+
+def test_leader_reconnects_when_the_threads_connection_was_terminated():
+    # A fail-over or a restart ends this thread's session under it; leader()
+    # reconnects (as lock methods do) instead of raising OperationalError.
+    with election("default", "reconnect") as candidate:
+        wait_until(lambda: candidate.is_leader, 30)
+        before = candidate.leader()
+        assert before is not None and before.term == candidate.term
+        mine = connections["default"].connection.info.backend_pid
+        assert in_thread(_terminate, mine) is True
+        after = candidate.leader()
+        assert after is not None and after.term == before.term
+        assert connections["default"].connection.info.backend_pid != mine

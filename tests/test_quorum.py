@@ -388,17 +388,3 @@ def test_quorum_checks_run_with_django_checks(settings):
 
     settings.DLOCK_QUORUMS = [["q1", "q2"]]
     assert "dlock.W060" in [m.id for m in checks.run_checks()]
-
-
-@pytest.mark.django_db(databases=[])
-def test_elections_refuse_a_quorum_clearly():
-    from io import StringIO
-
-    from django.core.management import CommandError, call_command
-
-    with pytest.raises(ValueError, match="quorum of databases are not supported yet"):
-        dlock.LeaderElection("q-leader", using=QUORUM)
-    with pytest.raises(CommandError, match="quorum of databases are not supported yet"):
-        call_command(
-            "runworker", "--job", "tests.jobs.hello", "--using", "q1,q2,q3", stdout=StringIO()
-        )

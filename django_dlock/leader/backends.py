@@ -7,11 +7,12 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from django.db import DatabaseError
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
-from django_dlock.strategies.base import Request
+from django_dlock.retry import Deadline
+from django_dlock.strategies.base import Request, _usable, statement_deadline
 
 logger = logging.getLogger("django_dlock")
 
@@ -63,16 +64,42 @@ def _read_record(alias: str, key: Key, lease: float) -> LeaderRecord | None:
     )
 
 
-class _LeaseBackend:
-    """Leadership is the lease row ``leader:<name>``."""
+def read_record(alias: str, key: Key, lease: float) -> LeaderRecord | None:
+    """:func:`_read_record` on the thread's connection, reconnecting once if it had dropped.
 
-    def __init__(self) -> None:
+    After a fail-over (or a restart) the thread's connection still points at
+    the old server: the first query fails, Django does not close it, and
+    the next query would fail again. Lock methods reconnect the same way.
+    """
+    try:
+        return _read_record(alias, key, lease)
+    except (OperationalError, InterfaceError):
+        connection = connections[alias]
+        if connection.in_atomic_block or _usable(connection):
+            raise
+        connection.close()
+    return _read_record(alias, key, lease)
+
+
+class _LeaseBackend:
+    """Leadership is the lease row ``leader:<name>``.
+
+    ``bound``: the longest an attempt to take the lease may wait for the
+    database. Behind a pooler (PgBouncer in transaction mode) a statement
+    can wait for a free server connection far longer (``query_wait_timeout``);
+    the attempt is then given up at ``bound`` like a lock's acquire at its
+    timeout, and the candidate tries again at its next turn.
+    """
+
+    def __init__(self, bound: float) -> None:
         from django_dlock.strategies.lease import lease
 
         self.lease = lease
+        self.bound = bound
 
     def acquire(self, req: Request, wait: float) -> int | None:
-        return self.lease.try_acquire(req)
+        with statement_deadline(Deadline(self.bound), req.alias):
+            return self.lease.try_acquire(req)
 
     def renew(self, req: Request) -> bool:
         return self.lease.extend(req, req.ttl)
@@ -114,7 +141,7 @@ class _AdvisoryBackend:
     the admin; whoever holds the advisory lock takes the row over.
     """
 
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
+    def __init__(self, on_lost: Callable[[str], None], bound: float) -> None:
         from django_dlock.strategies import get_strategy
         from django_dlock.strategies.lease import lease
 
@@ -122,6 +149,8 @@ class _AdvisoryBackend:
         self.lease = lease
         self.on_lost = on_lost
         self.warned = False
+        #: the longest the take-over of the lease row may wait (see _LeaseBackend)
+        self.bound = bound
 
     def acquire(self, req: Request, wait: float) -> int | None:
         from django_dlock.identity import current_holder
@@ -130,7 +159,8 @@ class _AdvisoryBackend:
         if self.advisory.acquire(req, Deadline(wait), 0.05) is None:
             return None
         try:
-            term = self.lease.take_over(req, ADVISORY_TOKEN)
+            with statement_deadline(Deadline(self.bound), req.alias):
+                term = self.lease.take_over(req, ADVISORY_TOKEN)
         except BaseException:
             self.advisory.release(req)
             raise

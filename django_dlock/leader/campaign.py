@@ -56,6 +56,10 @@ EXPIRY_MARGIN = 0.01
 __all__ = ["EXPIRY_MARGIN", "Campaign"]
 
 
+class NoAnswer(TimeoutError):
+    """A database call of the election was abandoned at its deadline."""
+
+
 class Campaign:
     """The election's state and the thread that campaigns, leads and steps down.
 
@@ -102,9 +106,24 @@ class Campaign:
         #: why the last leadership ended: "stepped down" or "lost: <reason>"
         self.stopped_reason: str | None = None
 
+    quorum: tuple[str, ...] | None
+
     @property
     def alias(self) -> str:
-        return lock_alias(self.using)
+        """The election's database (on a quorum: the first one, for the I/O thread)."""
+        return self.quorum[0] if self.quorum else lock_alias(self.using)
+
+    def _listened(self) -> list[str]:
+        """The databases whose release notifications wake this candidate.
+
+        None on a quorum: a refused or failed round gives back the leases it
+        took, and each give-back notifies, which would wake the candidate
+        itself at once, again and again. Quorum candidates look every
+        ``retry`` period (and when the lease they saw should have ended).
+        """
+        if self.quorum or connections[self.alias].vendor != "postgresql":
+            return []
+        return [self.alias]
 
     @property
     def identity(self) -> str:
@@ -188,11 +207,12 @@ class Campaign:
         label = f"django-dlock-elect {self.key.name}"
         self._io = IOThread(self.alias, label, self._backend)
         self._req = self._new_request()
-        listen: notify.Listener | None = None
+        listening: list[notify.Listener] = []
         try:
-            if connections[self.alias].vendor == "postgresql":
-                listen = notify.listener(self.alias)
+            for alias in self._listened():
+                listen = notify.listener(alias)
                 listen.register(self.key.name, self._wake)
+                listening.append(listen)
             self._loop()
         except BaseException as exc:
             self._error = exc
@@ -200,7 +220,7 @@ class Campaign:
             if self._leadership is not None:
                 self._end_term(f"the election failed: {exc}", graceful=False)
         finally:
-            if listen is not None:
+            for listen in listening:
                 listen.unregister(self.key.name, self._wake)
             self._io.close()
             close_thread_connections()
@@ -263,7 +283,9 @@ class Campaign:
         future = self._io.submit(func, *args)
         try:
             return True, future.result(timeout=max(0.0, until - submitted))
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError as exc:
+            if future.done():  # the call itself raised a TimeoutError (a LockTimeout)
+                return False, exc
             old_io, old_req = self._io, self._req
             old_io.submit(self._backend.release, old_req)
             old_io.close()
@@ -271,7 +293,7 @@ class Campaign:
             self._io = IOThread(self.alias, label, self._backend)
             self._req = self._new_request()
             waited = _now() - submitted
-            return False, TimeoutError(f"the database did not answer within {waited:.3g} s")
+            return False, NoAnswer(f"the database did not answer within {waited:.3g} s")
         except Exception as exc:
             return False, exc
 
@@ -339,7 +361,7 @@ class Campaign:
                 else "the lease was taken over or force-released"
             )
             return 0.0
-        if _now() >= deadline or isinstance(result, TimeoutError):
+        if _now() >= deadline or isinstance(result, NoAnswer):
             self._lose(
                 f"could not renew within renew_deadline ({self.renew_deadline:g} s): {result}"
             )

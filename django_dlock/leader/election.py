@@ -17,10 +17,12 @@ from django.db import connections
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import make_key
 from django_dlock.leader import drivers
-from django_dlock.leader.backends import _AdvisoryBackend, _Backend, _LeaseBackend, _read_record
+from django_dlock.leader.backends import _AdvisoryBackend, _Backend, _LeaseBackend, read_record
 from django_dlock.leader.campaign import EXPIRY_MARGIN, Campaign
 from django_dlock.leader.leadership import LeaderRecord, Leadership, _now
+from django_dlock.leader.quorum import QuorumBackend
 from django_dlock.leader.workers import Dispatcher
+from django_dlock.strategies.quorum import quorum_aliases
 from django_dlock.validation import JITTER, validate_timing
 
 T = TypeVar("T")
@@ -44,7 +46,9 @@ class LeaderElection(Campaign):
         strategy: ``"lease"`` (any database) or ``"advisory"`` (PostgreSQL:
             a killed leader is replaced at once).
         using: database alias (default: the router's write database for
-            :class:`django_dlock.models.Lock`).
+            :class:`django_dlock.models.Lock`), or a list of aliases of
+            independent databases: the leadership is then a lease held on a
+            majority of them (the lease strategy only; see the quorum docs).
         identity: how this candidate is named in the database and the
             admin (default: ``"<host> pid=<pid>"``).
         on_started_leading: ``f(term)``, when this process becomes leader.
@@ -57,7 +61,8 @@ class LeaderElection(Campaign):
 
     Raises:
         ValueError: the timings break ``lease > renew_deadline > retry * 1.2``
-            or are not positive numbers; ``using`` is unknown.
+            or are not positive numbers; ``using`` is unknown, an empty list,
+            names an alias twice, or two aliases of one database.
         StrategyNotSupported: the strategy is unknown, not available, or not
             supported by the database.
         InvalidLockKey: the name is not a valid key.
@@ -73,7 +78,7 @@ class LeaderElection(Campaign):
         renew_deadline: float = 10.0,
         retry: float = 2.0,
         strategy: str = "lease",
-        using: str | None = None,
+        using: str | list[str] | tuple[str, ...] | None = None,
         identity: str | None = None,
         on_started_leading: Callable[[int], Any] | None = None,
         on_stopped_leading: Callable[[], Any] | None = None,
@@ -87,17 +92,24 @@ class LeaderElection(Campaign):
                 f"LeaderElection cannot use the strategy {strategy!r}; "
                 f"choose one of {', '.join(STRATEGIES)}"
             )
+        quorum: tuple[str, ...] | None = None
         if using is not None and not isinstance(using, str):
-            raise ValueError(
-                f"LeaderElection takes one database alias, not {using!r}: elections on a "
-                "quorum of databases are not supported yet (locks and TaskLock are)"
-            )
+            quorum = quorum_aliases(using)
+            if strategy != "lease":
+                raise StrategyNotSupported(
+                    f"an election on a quorum of databases needs strategy='lease', not "
+                    f"{strategy!r}: an advisory lock lives and dies with one server session"
+                )
+            using = quorum[0] if len(quorum) == 1 else None
+            quorum = None if len(quorum) == 1 else quorum
         if using is not None and using not in connections:
             raise ValueError(f"unknown database alias {using!r}")
         if identity is not None and (not isinstance(identity, str) or not identity.strip()):
             raise ValueError("identity must be a non-empty string")
         self.strategy = strategy
         self.using = using
+        #: the databases of an election on a quorum (``using=[...]``), else ``None``
+        self.quorum = quorum
         self._identity = identity[:255] if identity else None
         self.on_started_leading = on_started_leading
         self.on_stopped_leading = on_stopped_leading
@@ -109,10 +121,12 @@ class LeaderElection(Campaign):
                 '(strategy="lease", runworker --strategy lease), which works on every database'
             )
         self._backend: _Backend
-        if strategy == "advisory":
-            self._backend = _AdvisoryBackend(self._session_lost)
+        if quorum is not None:
+            self._backend = QuorumBackend(quorum, self.retry)
+        elif strategy == "advisory":
+            self._backend = _AdvisoryBackend(self._session_lost, self.retry)
         else:
-            self._backend = _LeaseBackend()
+            self._backend = _LeaseBackend(self.retry)
         self._init_state()
 
     # -- configuration and state -------------------------------------------------
@@ -137,8 +151,17 @@ class LeaderElection(Campaign):
         return self._stop_requested
 
     def leader(self) -> LeaderRecord | None:
-        """The current leader as the database records it (``None``: no leader)."""
-        return _read_record(self.alias, self.key, self.lease)
+        """The current leader as the database records it (``None``: no leader).
+
+        On a quorum: the candidate whose lease is live on a majority of the
+        databases, with its term.
+
+        Raises:
+            QuorumUnavailable: on a quorum, a majority of the databases did not answer.
+        """
+        if isinstance(self._backend, QuorumBackend):
+            return self._backend.record(self.key, self.lease)
+        return read_record(self.alias, self.key, self.lease)
 
     async def aleader(self) -> LeaderRecord | None:
         """Async :meth:`leader`."""

@@ -61,7 +61,7 @@ from django_dlock.retry import Deadline, interval
 from django_dlock.strategies.base import Grant, Request, execute
 from django_dlock.strategies.lease import TABLE, lease
 
-__all__ = ["QuorumLease", "quorum_aliases", "quorum_strategy"]
+__all__ = ["LiveRow", "QuorumLease", "quorum_aliases", "quorum_strategy"]
 
 logger = logging.getLogger("django_dlock")
 
@@ -628,6 +628,10 @@ class QuorumLease:
         return self._counts(held, answer)
 
     def extend(self, req: Request, ttl: float) -> bool:
+        return self.extend_within(req, ttl, None)
+
+    def extend_within(self, req: Request, ttl: float, within: float | None) -> bool:
+        """:meth:`extend`, waiting at most ``within`` seconds for the databases' answers."""
         held = self._holding(req)
         if held is None:
             return False
@@ -635,6 +639,8 @@ class QuorumLease:
         started = time.monotonic()
         validity_end = started + ttl - drift(ttl)
         end = min(validity_end, started + max(ROUND_FLOOR, held.valid_until - started))
+        if within is not None:
+            end = min(end, started + max(ROUND_FLOOR, within))
 
         def extend_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
             return lambda connection: lease._extend_on(connection, mine, ttl)
@@ -678,6 +684,54 @@ class QuorumLease:
 
     def loss_reason(self, req: Request) -> str:
         return "a majority of its databases no longer has its lease"
+
+    # -- leader elections: what a standby reads ------------------------------------
+
+    def live_rows(self, key: Key) -> tuple[dict[str, LiveRow | None], int]:
+        """Each answering database's live lease of ``key`` (``None``: free there),
+        and how many databases did not answer.
+
+        Raises:
+            QuorumUnavailable: a majority of the databases did not answer.
+        """
+
+        def read_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
+            def run(connection: BaseDatabaseWrapper) -> LiveRow | None:
+                left = dbclock.seconds_until_sql(connection, "expire_at")
+                sql = (
+                    f"SELECT owner, fence, acquired_at, expire_at, {left} FROM {TABLE} "
+                    f"WHERE name = %s AND token <> '' AND expire_at > {dbclock.now_sql(connection)}"
+                )
+                found = execute(connection, sql, [key.name])[0]
+                if found is None:
+                    return None
+                owner, fence, since, expires, seconds = found
+                return LiveRow(str(owner), int(fence), since, expires, float(seconds))
+
+            return run
+
+        end = time.monotonic() + ROUND_FLOOR
+        answer = _run_round(
+            self.aliases, ROUND_FLOOR, end, read_on, lambda _: True, self.need, wait_all=True
+        )
+        if len(answer.accepted) < self.need:
+            raise QuorumUnavailable(
+                f"could not read {key.name!r}: a majority of databases did not answer "
+                f"({answer.why()})"
+            )
+        return answer.accepted, len(self.aliases) - len(answer.accepted)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRow:
+    """One database's live lease of a key, as :meth:`QuorumLease.live_rows` reads it."""
+
+    owner: str
+    fence: int
+    since: Any
+    expires: Any
+    #: seconds until it ends, on that database's clock
+    left: float
 
 
 def _release_after_on(connection: BaseDatabaseWrapper, req: Request, min_hold: float) -> bool:
