@@ -292,14 +292,14 @@ def _xact_wait_sql(req: Request, fenced: bool) -> str:
 
 
 def _pg_locks_ids(key: Key) -> list[int]:
-    from django_dlock.strategies.advisory import pg_locks_ids
+    from django_dlock.strategies.advisory.postgresql import pg_locks_ids
 
     return list(pg_locks_ids(key))
 
 
 def fencing() -> bool:
     """``DLOCK_ADVISORY_FENCING`` (shared with the ``advisory`` strategy)."""
-    from django_dlock.strategies.advisory import fencing
+    from django_dlock.strategies.advisory.postgresql import fencing
 
     return fencing()
 

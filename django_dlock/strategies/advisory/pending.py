@@ -17,8 +17,8 @@ from django.db import connections
 
 from django_dlock.identity import Holder
 from django_dlock.retry import Deadline
+from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.base import Grant, Request, Strategy
-from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire
 
 #: longest a give-up waits for the cancelled statement to come back
 GIVE_UP_SECONDS = 30.0
@@ -26,8 +26,8 @@ GIVE_UP_SECONDS = 30.0
 
 def pending_capable(strategy: Strategy, vendor: str) -> SessionAsyncAcquire | None:
     """The PostgreSQL advisory implementation behind ``strategy``, if it is one."""
-    from django_dlock.strategies.advisory import AdvisoryStrategy
-    from django_dlock.strategies.vendors import ByVendor
+    from django_dlock.strategies.advisory.postgresql import AdvisoryStrategy
+    from django_dlock.strategies.advisory.vendors import ByVendor
 
     found = strategy.for_vendor(vendor) if isinstance(strategy, ByVendor) else strategy
     return found if isinstance(found, AdvisoryStrategy) else None
