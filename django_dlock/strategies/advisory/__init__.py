@@ -29,14 +29,13 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from django_dlock.strategies.advisory.postgresql import (
+    from django_dlock.strategies._pg import (
         MAX_LOCK_TIMEOUT_MS,
         PG_LOCKS_MATCH,
-        AdvisoryStrategy,
-        advisory,
         fencing,
         pg_locks_ids,
     )
+    from django_dlock.strategies.advisory.postgresql import AdvisoryStrategy, advisory
 
 __all__ = [
     "MAX_LOCK_TIMEOUT_MS",

@@ -39,16 +39,12 @@ it at once.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from django.conf import settings
-from django.core.signals import setting_changed
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.dispatch import receiver
 from psycopg.types.numeric import Int4, Int8
 
 from django_dlock.conf import RetryInterval
@@ -56,6 +52,14 @@ from django_dlock.exceptions import DLockError
 from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
+from django_dlock.strategies._pg import (
+    DATABASE,
+    MAX_LOCK_TIMEOUT_MS,
+    PG_LOCKS_MATCH,
+    fencing,
+    lock_timeout_ms,
+    pg_locks_ids,
+)
 from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire, on_session
 from django_dlock.strategies.advisory.pool import find as find_session
 from django_dlock.strategies.advisory.session import (
@@ -79,33 +83,6 @@ if TYPE_CHECKING:
     from django_dlock.identity import Holder
 
 logger = logging.getLogger("django_dlock")
-
-#: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
-MAX_LOCK_TIMEOUT_MS = 2_000_000_000
-
-_DATABASE = "(SELECT oid FROM pg_database WHERE datname = current_database())"
-
-#: SQL that finds a key in ``pg_locks``: classid, objid, objsubid (unsigned)
-PG_LOCKS_MATCH = (
-    "locktype = 'advisory' AND granted AND database = " + _DATABASE + " AND classid = "
-    "%s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s"
-)
-
-
-def pg_locks_ids(key: Key) -> tuple[int, int, int]:
-    """Where ``key`` shows in ``pg_locks``: ``(classid, objid, objsubid)``.
-
-    A one-part (bigint) key ``k`` is split into its high and low 32 bits,
-    read as unsigned: ``classid = (k >> 32) & 0xFFFFFFFF``,
-    ``objid = k & 0xFFFFFFFF``, ``objsubid = 1``. A two-part key ``(a, b)``
-    shows as ``classid = a & 0xFFFFFFFF``, ``objid = b & 0xFFFFFFFF``,
-    ``objsubid = 2`` (negative parts wrap around to unsigned oids).
-    """
-    if len(key.advisory) == 1:
-        (k,) = key.advisory
-        return (k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF, 1
-    a, b = key.advisory
-    return a & 0xFFFFFFFF, b & 0xFFFFFFFF, 2
 
 
 def lock_params(key: Key) -> list[bytes]:
@@ -154,7 +131,7 @@ def _statements(shared: bool, parts: int, fencing: bool) -> _Statements:
         unlock=Statement(f"SELECT pg_advisory_unlock{suffix}({args}), pg_backend_pid()", types),
         holds=Statement(
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND "
-            "locktype = 'advisory' AND granted AND database = " + _DATABASE + " AND "
+            "locktype = 'advisory' AND granted AND database = " + DATABASE + " AND "
             "classid = $1::oid AND objid = $2::oid AND objsubid = $3 AND mode = $4), "
             "pg_backend_pid()",
             (_BIGINT, _BIGINT, _INT4, _TEXT),
@@ -174,28 +151,6 @@ _SQL = {
     for parts in (1, 2)
     for fencing in (False, True)
 }
-
-
-_fencing: bool | None = None
-
-
-def fencing() -> bool:
-    """``DLOCK_ADVISORY_FENCING``: whether advisory locks take fencing numbers.
-
-    Read once (a missing setting costs a raised error to find out), and
-    again after a ``setting_changed`` signal (``override_settings``).
-    """
-    global _fencing
-    if _fencing is None:
-        _fencing = getattr(settings, "DLOCK_ADVISORY_FENCING", False) is True
-    return _fencing
-
-
-@receiver(setting_changed)
-def _forget_fencing(setting: str, **kwargs: Any) -> None:
-    global _fencing
-    if setting == "DLOCK_ADVISORY_FENCING":
-        _fencing = None
 
 
 def _sql(req: Request, fenced: bool = False) -> _Statements:
@@ -286,13 +241,9 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     ) -> int | None:
         """Wait in PostgreSQL's lock queue, bounded by ``lock_timeout``."""
         while True:
-            if deadline.timeout is None:
-                timeout_ms = 0  # wait forever
-            else:
-                left = deadline.remaining()
-                if left <= 0:
-                    return None
-                timeout_ms = min(max(1, math.ceil(left * 1000)), MAX_LOCK_TIMEOUT_MS)
+            timeout_ms = lock_timeout_ms(deadline)  # 0: wait forever
+            if timeout_ms is None:
+                return None
             try:
                 row = session.wait(sql.wait, [str(timeout_ms), *wait_params(req.key)], waiter)
             except WaitCancelled:
