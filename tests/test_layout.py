@@ -30,7 +30,6 @@ def test_moved_names_stay_importable_from_their_documented_homes():
     assert leader.EXPIRY_MARGIN is campaign.EXPIRY_MARGIN
 
 
-
 def test_the_advisory_modules_stay_importable_from_their_former_homes():
     from django_dlock import sessions, strategies
     from django_dlock.strategies import advisory, advisory_mysql
@@ -48,6 +47,7 @@ def test_the_advisory_modules_stay_importable_from_their_former_homes():
     assert registered is vendors.advisory
     assert vendors.advisory.for_vendor("postgresql") is postgresql.advisory
     assert vendors.advisory.for_vendor("mysql") is mysql.advisory_mysql
+
 
 def test_every_check_is_registered_including_the_direct_databases_one():
     with override_settings(DLOCK_DIRECT_DATABASES={"default": "nope"}):
