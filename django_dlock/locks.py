@@ -60,9 +60,9 @@ from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy, queue
+from django_dlock.strategies.advisory.pending import Pending, pending_capable
 from django_dlock.strategies.base import Abandoned, Grant, Request, Strategy, statement_deadline
 from django_dlock.strategies.lease import LeaseStrategy
-from django_dlock.strategies.pending import Pending, pending_capable
 from django_dlock.validation import (
     retry_interval_error,
     seconds_or_none,

@@ -38,6 +38,8 @@ from typing import Any
 
 from django.db import connections
 
+from django_dlock._threads import start_db_thread
+
 logger = logging.getLogger("django_dlock")
 
 CHANNEL = "django_dlock"
@@ -82,10 +84,10 @@ class Listener:
         #: listening and heard its own ping: a release wakes the waiters
         self.healthy = False
         self._deaf_reported = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"django-dlock-listen-{alias}", daemon=True
-        )
-        self._thread.start()
+        # Its LISTEN connections are psycopg connections of its own, closed
+        # by its loop; the thread opens no Django connection, and would
+        # close any it opened when it ends.
+        self._thread = start_db_thread(self._run, f"django-dlock-listen-{alias}")
 
     def wait_ready(self, timeout: float) -> bool:
         return self._ready.wait(timeout)

@@ -528,7 +528,7 @@ def user_lock_holder(using: str, name: str) -> tuple[str, int | None]:
 
     ``name`` is ``"lock:x"``, or ``"x"`` for ``"lock:x"`` (``IS_USED_LOCK``).
     """
-    from django_dlock.strategies.advisory_mysql import database_name, lock_name
+    from django_dlock.strategies.advisory.mysql import database_name, lock_name
 
     mysql_name = lock_name(database_name(using), candidate_names(name)[-1])
     with connections[using].cursor() as cur:

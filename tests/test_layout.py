@@ -30,6 +30,25 @@ def test_moved_names_stay_importable_from_their_documented_homes():
     assert leader.EXPIRY_MARGIN is campaign.EXPIRY_MARGIN
 
 
+def test_the_advisory_modules_stay_importable_from_their_former_homes():
+    from django_dlock import sessions, strategies
+    from django_dlock.strategies import advisory, advisory_mysql
+    from django_dlock.strategies.advisory import executor, mysql, pool, postgresql, session, vendors
+
+    assert sessions.close_all is pool.close_all
+    assert sessions.MAX_IDLE == pool.MAX_IDLE
+    assert sessions.WAIT_THREADS == executor.WAIT_THREADS
+    assert sessions.SessionSwitched is session.SessionSwitched
+    assert advisory.pg_locks_ids is postgresql.pg_locks_ids
+    assert advisory.PG_LOCKS_MATCH is postgresql.PG_LOCKS_MATCH
+    assert advisory.advisory is postgresql.advisory
+    assert advisory_mysql.lock_name is mysql.lock_name
+    registered = strategies.get_strategy("advisory")
+    assert registered is vendors.advisory
+    assert vendors.advisory.for_vendor("postgresql") is postgresql.advisory
+    assert vendors.advisory.for_vendor("mysql") is mysql.advisory_mysql
+
+
 def test_every_check_is_registered_including_the_direct_databases_one():
     with override_settings(DLOCK_DIRECT_DATABASES={"default": "nope"}):
         found = [m.id for m in checks.run_checks() if m.id and m.id.startswith("dlock.")]

@@ -202,9 +202,16 @@ def test_advisory_on_mysql_refuses():
 
 
 def _advisory_waiting(pg: str) -> int:
-    """Sessions waiting for an advisory lock (not granted) in PostgreSQL's queue."""
+    """Sessions waiting for an advisory lock (not granted) in PostgreSQL's queue.
+
+    Only in this test database: ``pg_locks`` shows the whole cluster, where
+    other test runs may wait at the same time.
+    """
     with connections[pg].cursor() as cur:
-        cur.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+        cur.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
         return int(cur.fetchone()[0])
 
 

@@ -206,7 +206,7 @@ class _AdvisoryBackend:
         has just taken the lock is never mistaken for it: its session has
         just run the lock statement.
         """
-        from django_dlock.strategies.advisory import PG_LOCKS_MATCH, pg_locks_ids
+        from django_dlock.strategies._pg import PG_LOCKS_MATCH, pg_locks_ids
         from django_dlock.strategies.base import fetch_one, lock_connection
 
         if self.lease.seconds_left(req.alias, req.key) > 0:

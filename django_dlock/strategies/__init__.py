@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 # name -> "module:attribute", imported on first use
 REGISTRY: dict[str, str] = {
     "lease": "django_dlock.strategies.lease:lease",
-    "advisory": "django_dlock.strategies.vendors:advisory",  # PostgreSQL, MySQL/MariaDB
+    "advisory": "django_dlock.strategies.advisory.vendors:advisory",  # PostgreSQL, MySQL/MariaDB
     "advisory_xact": "django_dlock.strategies.xact:advisory_xact",
     "row": "django_dlock.strategies.row:row",
 }

@@ -50,14 +50,10 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
+from django_dlock.strategies._pg import MAX_LOCK_TIMEOUT_MS, lock_timeout_ms, sqlstate
 from django_dlock.strategies.base import Grant, Request, cursor, fetch_one, lock_connection
 from django_dlock.strategies.fence import NEXT_FENCE
-from django_dlock.strategies.xact import (
-    MAX_LOCK_TIMEOUT_MS,
-    TransactionScoped,
-    lock_timeout_ms,
-    sqlstate,
-)
+from django_dlock.strategies.transactional import TransactionScoped
 
 TABLE = "django_dlock_lock"
 

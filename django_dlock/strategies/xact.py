@@ -1,50 +1,21 @@
-"""Transaction-scoped locks: the ``advisory_xact`` strategy, and what ``row`` shares.
+"""The ``advisory_xact`` strategy: PostgreSQL transaction-level advisory locks.
 
-A transaction-scoped lock is taken on the caller's own Django connection,
-inside the caller's ``transaction.atomic`` block, and the database releases
-it when that transaction ends (commit or rollback), or when the savepoint it
-was taken in is rolled back. Nothing can release it earlier, so:
-
-* acquiring outside ``transaction.atomic`` is a :class:`DLockError` that
-  names the fix (``transaction.atomic`` or :func:`django_dlock.lock_and_atomic`);
-* an explicit ``release()`` is a :class:`DLockError`; leaving a ``with``
-  block (or a decorated function) ends the holding in Python, and the
-  database keeps the lock until the transaction ends;
-* a holding never outlives its transaction: each acquisition registers a
-  marker with ``transaction.on_commit``. Django runs the marker at commit,
-  and drops it at rollback and at the rollback of an enclosing savepoint,
-  exactly when the database drops the lock. A holding whose marker is no
-  longer pending has ended (:meth:`TransactionScoped.ended`), and the front
-  object forgets it, so a later ``acquire`` in a new transaction takes the
-  lock again instead of counting a re-entry;
-* a wait that times out or fails runs inside a savepoint, so the caller's
-  transaction stays usable, and ``lock_timeout`` is set for the wait only
-  (``set_config(..., true)`` and restored in the same statement; a failed
-  wait is rolled back with its savepoint, which also restores it).
-
-``advisory_xact`` uses ``pg_try_advisory_xact_lock`` /
-``pg_advisory_xact_lock`` (``_shared`` with ``shared=True``) on the keys of
-:mod:`django_dlock.keys`; it is safe behind PgBouncer in transaction mode
-and Django's connection pool, because nothing outlives the transaction.
-Fencing numbers come from ``nextval('django_dlock_fence')`` in the same
-statement.
-
-From async code a transaction-scoped lock is acquired in the thread that
-runs the transaction (``sync_to_async``, thread-sensitive), which is where
-Django runs a transaction that an async function is nested in. Two tasks
-that share one transaction share its locks in the database; django-dlock
-keeps them apart: the second gets the lock only when the first has left its
-block (a try fails; a wait is an error, since the first cannot finish while
-the second blocks their common thread).
+``pg_try_advisory_xact_lock`` / ``pg_advisory_xact_lock`` (``_shared`` with
+``shared=True``) on the caller's own connection, inside its
+``transaction.atomic`` block, on the keys of :mod:`django_dlock.keys`. The
+lock ends with the transaction (see
+:mod:`django_dlock.strategies.transactional` for what that means for
+``release()``, savepoints and async code), so it is safe behind PgBouncer in
+transaction mode and Django's connection pool: nothing outlives the
+transaction. A wait that times out or fails runs inside a savepoint, so the
+caller's transaction stays usable, and ``lock_timeout`` is set for the wait
+only (``set_config(..., true)`` and restored in the same statement; a failed
+wait is rolled back with its savepoint, which also restores it). Fencing
+numbers come from ``nextval('django_dlock_fence')`` in the same statement.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-import weakref
-
-from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -52,6 +23,14 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
+from django_dlock.strategies._pg import (
+    MAX_LOCK_TIMEOUT_MS,
+    PG_LOCKS_MATCH,
+    fencing,
+    lock_timeout_ms,
+    pg_locks_ids,
+    sqlstate,
+)
 from django_dlock.strategies.base import (
     Grant,
     Request,
@@ -60,193 +39,9 @@ from django_dlock.strategies.base import (
     require_postgresql,
 )
 from django_dlock.strategies.fence import NEXT_FENCE
-
-#: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
-MAX_LOCK_TIMEOUT_MS = 2_000_000_000
-#: markers kept before ended ones are swept
-_SWEEP_AT = 1000
-
-
-def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a (Django-wrapped) PostgreSQL error, if any."""
-    for err in (exc, exc.__cause__):
-        code = getattr(err, "sqlstate", None) or getattr(err, "pgcode", None)
-        if code:
-            return str(code)
-    return None
-
-
-def lock_timeout_ms(deadline: Deadline) -> int | None:
-    """``lock_timeout`` for the next wait: 0 = forever, ``None`` = no time left."""
-    if deadline.timeout is None:
-        return 0
-    left = deadline.remaining()
-    if left <= 0:
-        return None
-    return min(max(1, math.ceil(left * 1000)), MAX_LOCK_TIMEOUT_MS)
-
-
-class Marker:
-    """A pending ``on_commit`` callback that stands for one transaction-scoped holding.
-
-    Pending exactly while the database still holds the lock: Django calls it
-    at commit, and forgets it on rollback (also of the savepoint it was
-    registered in).
-    """
-
-    __slots__ = ("__weakref__", "active", "connection", "done", "key", "token")
-
-    def __init__(self, connection: BaseDatabaseWrapper, key: tuple[str, str, str]) -> None:
-        self.connection = weakref.ref(connection)
-        self.key = key
-        self.token = key[1]
-        self.done = False
-        #: the holder has not left its block yet (see the sibling check)
-        self.active = True
-
-    def __call__(self) -> None:  # on commit
-        self.done = True
-        _forget(self)
-
-    def pending(self) -> bool:
-        if self.done:
-            return False
-        connection = self.connection()
-        if connection is None or not connection.in_atomic_block:
-            return False
-        return any(entry[1] is self for entry in connection.run_on_commit)
-
-
-# (alias, token, name) -> marker of the holder's holding
-_markers: dict[tuple[str, str, str], Marker] = {}
-# (id(connection), name) -> the latest marker on that connection
-_by_connection: dict[tuple[int, str], Marker] = {}
-_mutex = threading.Lock()
-
-
-def _forget(marker: Marker) -> None:
-    with _mutex:
-        if _markers.get(marker.key) is marker:
-            del _markers[marker.key]
-        connection = marker.connection()
-        slot = (id(connection), marker.key[2])
-        if _by_connection.get(slot) is marker:
-            del _by_connection[slot]
-
-
-def _sweep() -> None:
-    with _mutex:
-        ended = [m for m in _markers.values() if not m.pending()]
-        ended += [m for m in _by_connection.values() if not m.pending()]
-    for marker in ended:
-        _forget(marker)
-
-
-class TransactionScoped:
-    """What the transaction-scoped strategies (``advisory_xact``, ``row``) share."""
-
-    name = ""
-    family = ""
-    #: read by the front object: ``release()`` is refused, holdings end with
-    #: the transaction (see :meth:`ended`)
-    transaction_scoped = True
-
-    def atomic_connection(self, req: Request) -> BaseDatabaseWrapper:
-        """The caller's connection, which must be inside ``transaction.atomic``."""
-        connection = connections[req.alias]
-        if not connection.in_atomic_block:
-            raise DLockError(
-                f"the {self.name!r} strategy holds {req.key.name!r} until the end of the "
-                f"current transaction, and there is none on database {req.alias!r}: wrap "
-                f"the code in `with transaction.atomic(using={req.alias!r}):` or use "
-                "`django_dlock.lock_and_atomic(...)`"
-            )
-        return connection
-
-    def sibling_holds(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
-        """Whether another holder (task) holds ``req``'s key in this very transaction."""
-        other = _by_connection.get((id(connection), req.key.name))
-        return (
-            other is not None
-            and other.token != req.token
-            and other.active
-            and other.connection() is connection
-            and other.pending()
-        )
-
-    def refuse_sibling_wait(self, req: Request) -> DLockError:
-        return DLockError(
-            f"{req.key.name!r} is held by another task that shares this database "
-            "transaction; tasks in one transaction cannot wait for each other (the "
-            "other one cannot finish while this one blocks their thread): give each "
-            "task its own transaction, or use timeout=0"
-        )
-
-    def remember(self, connection: BaseDatabaseWrapper, req: Request) -> None:
-        """Register the holding's marker once the lock is held."""
-        key = (req.alias, req.token, req.key.name)
-        marker = Marker(connection, key)
-        connection.on_commit(marker)
-        with _mutex:
-            _markers[key] = marker
-            _by_connection[(id(connection), req.key.name)] = marker
-            crowded = len(_markers) + len(_by_connection) > _SWEEP_AT
-        if crowded:
-            _sweep()
-
-    def marker(self, req: Request) -> Marker | None:
-        return _markers.get((req.alias, req.token, req.key.name))
-
-    def ended(self, req: Request) -> bool:
-        """Whether the holding's transaction (or savepoint) has ended (no query)."""
-        marker = self.marker(req)
-        if marker is None or not marker.pending():
-            if marker is not None:
-                _forget(marker)
-            return True
-        return False
-
-    # -- the protocol ----------------------------------------------------------
-
-    async def aacquire(
-        self, req: Request, deadline: Deadline, policy: RetryInterval
-    ) -> Grant | None:
-        return await sync_to_async(self.acquire)(req, deadline, policy)  # type: ignore[attr-defined, no-any-return]
-
-    def try_acquire(self, req: Request) -> int | None:
-        grant: Grant | None = self.acquire(req, Deadline(0), 0.0)  # type: ignore[attr-defined]
-        if grant is None:
-            return None
-        return 0 if grant.fence is None else grant.fence
-
-    def release(self, req: Request) -> bool:
-        """The holder left its block: the database keeps the lock until the transaction ends.
-
-        ``False`` if the transaction (or the savepoint the lock was taken in)
-        had already ended.
-        """
-        marker = self.marker(req)
-        if marker is None:
-            return False
-        marker.active = False
-        still = marker.pending()
-        with _mutex:
-            if _markers.get(marker.key) is marker:
-                del _markers[marker.key]
-        return still
-
-    def extend(self, req: Request, ttl: float) -> bool:
-        """Nothing to extend: true while the transaction that holds the lock is open."""
-        return not self.ended(req)
-
+from django_dlock.strategies.transactional import TransactionScoped
 
 # -- advisory_xact ---------------------------------------------------------------------
-
-_DATABASE = "(SELECT oid FROM pg_database WHERE datname = current_database())"
-_MATCH = (
-    "locktype = 'advisory' AND granted AND database = " + _DATABASE + " AND classid = "
-    "%s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s"
-)
 
 
 def _args_sql(key: Key) -> str:
@@ -289,19 +84,6 @@ def _xact_wait_sql(req: Request, fenced: bool) -> str:
         f"l AS MATERIALIZED (SELECT pg_advisory_xact_lock{suffix}({_args_sql(req.key)}) FROM t) "
         f"SELECT {_fence_sql(fenced)}, set_config('lock_timeout', t.prev, true) FROM l, t"
     )
-
-
-def _pg_locks_ids(key: Key) -> list[int]:
-    from django_dlock.strategies.advisory import pg_locks_ids
-
-    return list(pg_locks_ids(key))
-
-
-def fencing() -> bool:
-    """``DLOCK_ADVISORY_FENCING`` (shared with the ``advisory`` strategy)."""
-    from django_dlock.strategies.advisory import fencing
-
-    return fencing()
 
 
 class AdvisoryXactStrategy(TransactionScoped):
@@ -356,15 +138,15 @@ class AdvisoryXactStrategy(TransactionScoped):
         mode = "ShareLock" if req.shared else "ExclusiveLock"
         sql = (
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND "
-            + _MATCH
+            + PG_LOCKS_MATCH
             + " AND mode = %s)"
         )
-        row = fetch_one(connection, sql, [*_pg_locks_ids(req.key), mode])
+        row = fetch_one(connection, sql, [*pg_locks_ids(req.key), mode])
         return bool(row[0])
 
     def locked(self, alias: str, key: Key) -> bool:
-        sql = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE " + _MATCH + ")"
-        row = fetch_one(lock_connection(alias), sql, _pg_locks_ids(key))
+        sql = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE " + PG_LOCKS_MATCH + ")"
+        row = fetch_one(lock_connection(alias), sql, list(pg_locks_ids(key)))
         return bool(row[0])
 
 

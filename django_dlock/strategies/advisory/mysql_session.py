@@ -3,7 +3,7 @@
 A MySQL user lock (``GET_LOCK``) belongs to the connection that took it,
 exactly like a PostgreSQL session advisory lock belongs to its session, so
 the MySQL side of the ``advisory`` strategy reuses the connection model of
-:mod:`django_dlock.sessions`: one dedicated connection per holder (thread or
+:mod:`django_dlock.strategies.advisory.session`: one dedicated connection per holder (thread or
 asyncio task) and alias, a small pool of idle connections, the watcher
 thread that notices a connection the server ended (``KILL``, a restart, a
 network cut) and reports the locks it held as lost, holders that disappear
@@ -18,7 +18,7 @@ MariaDB, ``max_execution_time`` on MySQL) switched off, so that a long wait
 in ``GET_LOCK`` is never cut short by the server. Every statement also
 returns ``CONNECTION_ID()``: if it ever changes, a proxy (or a reconnecting
 driver) switched the server connection under us, which would silently lose
-the locks, and :class:`~django_dlock.sessions.SessionSwitched` is raised.
+the locks, and :class:`~django_dlock.SessionSwitched` is raised.
 
 A wait is interrupted from another thread (an async task that is cancelled)
 with ``KILL QUERY <connection id>`` sent on a short-lived connection of its
@@ -35,8 +35,14 @@ from typing import Any, cast
 
 from django.db import connections
 
-from django_dlock import sessions
-from django_dlock.sessions import Cancellable, SessionLost, SessionSwitched, WaitCancelled
+from django_dlock.strategies.advisory.pool import Pool
+from django_dlock.strategies.advisory.session import (
+    Cancellable,
+    Session,
+    SessionLost,
+    SessionSwitched,
+    WaitCancelled,
+)
 
 logger = logging.getLogger("django_dlock")
 
@@ -126,13 +132,13 @@ class Link:
         self.raw.close()
 
 
-class MySQLSession(sessions.Session):
+class MySQLSession(Session):
     """One dedicated MySQL connection, owned by at most one holder at a time.
 
     ``backend_pid`` is the server's ``CONNECTION_ID()`` of the connection.
     """
 
-    def __init__(self, pool: sessions.Pool, link: Link, connection_id: int) -> None:
+    def __init__(self, pool: Pool, link: Link, connection_id: int) -> None:
         super().__init__(pool, cast(Any, link), connection_id)
         self.link = link
         #: whether GET_LOCK takes fractions of a second (MariaDB; MySQL rounds)
@@ -251,10 +257,10 @@ class MySQLSession(sessions.Session):
             self.mutex.release()
 
 
-class MySQLPool(sessions.Pool):
+class MySQLPool(Pool):
     """The MySQL sessions of one database alias in this process."""
 
-    def _open(self) -> sessions.Session:
+    def _open(self) -> Session:
         raw = connect(self.alias)
         try:
             with raw.cursor() as cur:

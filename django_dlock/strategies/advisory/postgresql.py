@@ -2,7 +2,7 @@
 
 ``pg_try_advisory_lock`` / ``pg_advisory_lock`` (``_shared`` variants with
 ``shared=True``: many readers, one writer) on a dedicated session of the
-holder (see :mod:`django_dlock.sessions` for the connection model). The lock
+holder (see :mod:`django_dlock.strategies.advisory.session` for the connection model). The lock
 is held until it is released or the session ends, so a crashed holder frees
 it at once.
 
@@ -39,24 +39,37 @@ it at once.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from django.conf import settings
-from django.core.signals import setting_changed
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.dispatch import receiver
 from psycopg.types.numeric import Int4, Int8
 
-from django_dlock import sessions
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError
 from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
+from django_dlock.strategies._pg import (
+    DATABASE,
+    MAX_LOCK_TIMEOUT_MS,
+    PG_LOCKS_MATCH,
+    fencing,
+    lock_timeout_ms,
+    pg_locks_ids,
+)
+from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire, on_session
+from django_dlock.strategies.advisory.pool import find as find_session
+from django_dlock.strategies.advisory.session import (
+    Session,
+    SessionLost,
+    SessionSwitched,
+    Statement,
+    WaitCancelled,
+)
+from django_dlock.strategies.advisory.watcher import ensure_watcher
 from django_dlock.strategies.base import (
     Grant,
     Request,
@@ -65,39 +78,11 @@ from django_dlock.strategies.base import (
     require_postgresql,
 )
 from django_dlock.strategies.fence import NEXT_FENCE
-from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire, on_session
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
 
 logger = logging.getLogger("django_dlock")
-
-#: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
-MAX_LOCK_TIMEOUT_MS = 2_000_000_000
-
-_DATABASE = "(SELECT oid FROM pg_database WHERE datname = current_database())"
-
-#: SQL that finds a key in ``pg_locks``: classid, objid, objsubid (unsigned)
-PG_LOCKS_MATCH = (
-    "locktype = 'advisory' AND granted AND database = " + _DATABASE + " AND classid = "
-    "%s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s"
-)
-
-
-def pg_locks_ids(key: Key) -> tuple[int, int, int]:
-    """Where ``key`` shows in ``pg_locks``: ``(classid, objid, objsubid)``.
-
-    A one-part (bigint) key ``k`` is split into its high and low 32 bits,
-    read as unsigned: ``classid = (k >> 32) & 0xFFFFFFFF``,
-    ``objid = k & 0xFFFFFFFF``, ``objsubid = 1``. A two-part key ``(a, b)``
-    shows as ``classid = a & 0xFFFFFFFF``, ``objid = b & 0xFFFFFFFF``,
-    ``objsubid = 2`` (negative parts wrap around to unsigned oids).
-    """
-    if len(key.advisory) == 1:
-        (k,) = key.advisory
-        return (k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF, 1
-    a, b = key.advisory
-    return a & 0xFFFFFFFF, b & 0xFFFFFFFF, 2
 
 
 def lock_params(key: Key) -> list[bytes]:
@@ -124,9 +109,9 @@ _BIGINT, _INT4, _TEXT = 20, 23, 25
 
 @dataclass(frozen=True)
 class _Statements:
-    try_: sessions.Statement
-    unlock: sessions.Statement
-    holds: sessions.Statement
+    try_: Statement
+    unlock: Statement
+    holds: Statement
     #: run through psycopg (interruptible): %s placeholders
     wait: str
 
@@ -138,17 +123,15 @@ def _statements(shared: bool, parts: int, fencing: bool) -> _Statements:
     fence = NEXT_FENCE if fencing else "0"
     return _Statements(
         # Without fencing the first column is 0 (acquired) or NULL.
-        try_=sessions.Statement(
+        try_=Statement(
             f"SELECT CASE WHEN pg_try_advisory_lock{suffix}({args}) THEN {fence} END, "
             "pg_backend_pid()",
             types,
         ),
-        unlock=sessions.Statement(
-            f"SELECT pg_advisory_unlock{suffix}({args}), pg_backend_pid()", types
-        ),
-        holds=sessions.Statement(
+        unlock=Statement(f"SELECT pg_advisory_unlock{suffix}({args}), pg_backend_pid()", types),
+        holds=Statement(
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND "
-            "locktype = 'advisory' AND granted AND database = " + _DATABASE + " AND "
+            "locktype = 'advisory' AND granted AND database = " + DATABASE + " AND "
             "classid = $1::oid AND objid = $2::oid AND objsubid = $3 AND mode = $4), "
             "pg_backend_pid()",
             (_BIGINT, _BIGINT, _INT4, _TEXT),
@@ -168,28 +151,6 @@ _SQL = {
     for parts in (1, 2)
     for fencing in (False, True)
 }
-
-
-_fencing: bool | None = None
-
-
-def fencing() -> bool:
-    """``DLOCK_ADVISORY_FENCING``: whether advisory locks take fencing numbers.
-
-    Read once (a missing setting costs a raised error to find out), and
-    again after a ``setting_changed`` signal (``override_settings``).
-    """
-    global _fencing
-    if _fencing is None:
-        _fencing = getattr(settings, "DLOCK_ADVISORY_FENCING", False) is True
-    return _fencing
-
-
-@receiver(setting_changed)
-def _forget_fencing(setting: str, **kwargs: Any) -> None:
-    global _fencing
-    if setting == "DLOCK_ADVISORY_FENCING":
-        _fencing = None
 
 
 def _sql(req: Request, fenced: bool = False) -> _Statements:
@@ -240,7 +201,7 @@ class AdvisoryStrategy(SessionAsyncAcquire):
 
     def _acquire_on(
         self,
-        session: sessions.Session,
+        session: Session,
         req: Request,
         deadline: Deadline,
         waiter: AsyncWait | None,
@@ -254,7 +215,7 @@ class AdvisoryStrategy(SessionAsyncAcquire):
             fence = None if value is None else int(value)
             if fence is None and not deadline.expired():
                 fence = self._wait(session, req, sql, deadline, waiter)
-        except (sessions.SessionLost, sessions.SessionSwitched):
+        except (SessionLost, SessionSwitched):
             raise  # the session is gone: it holds nothing
         except BaseException as exc:
             self._settle(session, req)
@@ -267,12 +228,12 @@ class AdvisoryStrategy(SessionAsyncAcquire):
         if waiter is not None and waiter.cancelled:
             self.release(req)  # the task is gone: give it back
             return None
-        sessions.ensure_watcher()
+        ensure_watcher()
         return Grant(fence if fenced else None)
 
     def _wait(
         self,
-        session: sessions.Session,
+        session: Session,
         req: Request,
         sql: _Statements,
         deadline: Deadline,
@@ -280,16 +241,12 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     ) -> int | None:
         """Wait in PostgreSQL's lock queue, bounded by ``lock_timeout``."""
         while True:
-            if deadline.timeout is None:
-                timeout_ms = 0  # wait forever
-            else:
-                left = deadline.remaining()
-                if left <= 0:
-                    return None
-                timeout_ms = min(max(1, math.ceil(left * 1000)), MAX_LOCK_TIMEOUT_MS)
+            timeout_ms = lock_timeout_ms(deadline)  # 0: wait forever
+            if timeout_ms is None:
+                return None
             try:
                 row = session.wait(sql.wait, [str(timeout_ms), *wait_params(req.key)], waiter)
-            except sessions.WaitCancelled:
+            except WaitCancelled:
                 return None
             except psycopg.errors.LockNotAvailable:  # 55P03: lock_timeout ran out
                 if deadline.timeout is not None and timeout_ms == MAX_LOCK_TIMEOUT_MS:
@@ -311,7 +268,7 @@ class AdvisoryStrategy(SessionAsyncAcquire):
                 continue
             return int(row[0])
 
-    def _settle(self, session: sessions.Session, req: Request) -> None:
+    def _settle(self, session: Session, req: Request) -> None:
         """After a failed acquisition: make sure the session does not hold the key."""
         if session.lost is not None or req.key.name in session.held:
             return
@@ -326,12 +283,12 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     # -- release, extend, inspect ------------------------------------------------
 
     def release(self, req: Request) -> bool:
-        session = sessions.find(req.alias, req.token)
+        session = find_session(req.alias, req.token)
         if session is None or req.key.name not in session.held:
             return False
         try:
             unlocked = session.run(_sql(req).unlock, lock_params(req.key))[0] == b"t"
-        except (sessions.SessionLost, sessions.SessionSwitched):
+        except (SessionLost, SessionSwitched):
             return False
         except psycopg.Error as exc:
             session.fail(f"releasing {req.key.name!r} failed: {exc}")
@@ -345,12 +302,12 @@ class AdvisoryStrategy(SessionAsyncAcquire):
         return self.owned(req)
 
     def owned(self, req: Request) -> bool:
-        session = sessions.find(req.alias, req.token)
+        session = find_session(req.alias, req.token)
         if session is None or session.lost is not None or req.key.name not in session.held:
             return False
         try:
             row = session.run(_sql(req).holds, holds_params(req))
-        except (sessions.SessionLost, sessions.SessionSwitched):
+        except (SessionLost, SessionSwitched):
             return False
         except psycopg.Error as exc:
             session.fail(f"checking {req.key.name!r} failed: {exc}")

@@ -11,14 +11,12 @@ wait in the server, and a lock granted in the meantime is given back.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 
-from django.db import connections
-
+from django_dlock._threads import start_db_thread
 from django_dlock.identity import Holder
 from django_dlock.retry import Deadline
+from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.base import Grant, Request, Strategy
-from django_dlock.strategies.session_acquire import AsyncWait, SessionAsyncAcquire
 
 #: longest a give-up waits for the cancelled statement to come back
 GIVE_UP_SECONDS = 30.0
@@ -26,8 +24,8 @@ GIVE_UP_SECONDS = 30.0
 
 def pending_capable(strategy: Strategy, vendor: str) -> SessionAsyncAcquire | None:
     """The PostgreSQL advisory implementation behind ``strategy``, if it is one."""
-    from django_dlock.strategies.advisory import AdvisoryStrategy
-    from django_dlock.strategies.vendors import ByVendor
+    from django_dlock.strategies.advisory.postgresql import AdvisoryStrategy
+    from django_dlock.strategies.advisory.vendors import ByVendor
 
     found = strategy.for_vendor(vendor) if isinstance(strategy, ByVendor) else strategy
     return found if isinstance(found, AdvisoryStrategy) else None
@@ -41,9 +39,7 @@ class Pending:
         self.req = req
         self.waiter = AsyncWait()
         self.future: concurrent.futures.Future[Grant | None] = concurrent.futures.Future()
-        threading.Thread(
-            target=self._run, args=(holder,), name="django-dlock-pending", daemon=True
-        ).start()
+        start_db_thread(lambda: self._run(holder), "django-dlock-pending")
 
     def _run(self, holder: Holder) -> None:
         try:
@@ -52,8 +48,6 @@ class Pending:
             self.future.set_exception(exc)
         else:
             self.future.set_result(result)
-        finally:
-            connections.close_all()
 
     def wait(self, timeout: float | None) -> Grant | None:
         """The grant, or ``None`` after giving the place up at ``timeout``."""

@@ -15,19 +15,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from django_dlock import sessions
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError
 from django_dlock.identity import Holder, current_holder
 from django_dlock.retry import Deadline
+from django_dlock.strategies.advisory.executor import executor as advisory_executor
+from django_dlock.strategies.advisory.executor import in_thread
+from django_dlock.strategies.advisory.pool import Pool, session_for
+from django_dlock.strategies.advisory.session import Session, SessionLost
 from django_dlock.strategies.base import Grant, Request
 
 
 def on_session(
     req: Request,
     holder: Callable[[], Holder | None],
-    acquire_on: Callable[[sessions.Session], Grant | None],
-    kind: type[sessions.Pool] = sessions.Pool,
+    acquire_on: Callable[[Session], Grant | None],
+    kind: type[Pool] = Pool,
 ) -> Grant | None:
     """``acquire_on(session)`` on the holder's dedicated session.
 
@@ -37,7 +40,7 @@ def on_session(
     """
     for attempt in (1, 2):
         try:
-            session = sessions.session_for(req.alias, req.token, holder, kind)
+            session = session_for(req.alias, req.token, holder, kind)
         except DLockError:
             raise
         except Exception as exc:
@@ -46,7 +49,7 @@ def on_session(
             ) from exc
         try:
             return acquire_on(session)
-        except sessions.SessionLost:
+        except SessionLost:
             if attempt == 2:
                 raise
         finally:
@@ -59,7 +62,7 @@ class AsyncWait:
 
     def __init__(self) -> None:
         self.cancelled = False
-        self.session: sessions.Session | None = None
+        self.session: Session | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -90,12 +93,12 @@ class SessionAsyncAcquire:
         waiter = AsyncWait()
         loop = asyncio.get_running_loop()
         first = loop.run_in_executor(
-            sessions.executor(), self._acquire, req, Deadline(0), lambda: holder, waiter
+            advisory_executor(), self._acquire, req, Deadline(0), lambda: holder, waiter
         )
         grant = await self._await(req, first, waiter)
         if grant is not None or deadline.expired():
             return grant
-        waiting = sessions.in_thread(loop, self._acquire, req, deadline, lambda: holder, waiter)
+        waiting = in_thread(loop, self._acquire, req, deadline, lambda: holder, waiter)
         return await self._await(req, waiting, waiter)
 
     async def _await(
@@ -112,4 +115,4 @@ class SessionAsyncAcquire:
         # The task was cancelled but its worker acquired the lock anyway.
         if done.cancelled() or done.exception() is not None or done.result() is None:
             return
-        sessions.executor().submit(self.release, req)
+        advisory_executor().submit(self.release, req)

@@ -1,8 +1,8 @@
 """One strategy name, an implementation per database vendor.
 
 ``lock(strategy="advisory")`` means PostgreSQL's session advisory locks on
-PostgreSQL (:mod:`django_dlock.strategies.advisory`) and ``GET_LOCK`` user
-locks on MySQL/MariaDB (:mod:`django_dlock.strategies.advisory_mysql`). The
+PostgreSQL (:mod:`django_dlock.strategies.advisory.postgresql`) and ``GET_LOCK`` user
+locks on MySQL/MariaDB (:mod:`django_dlock.strategies.advisory.mysql`). The
 object registered under the name picks the implementation from the vendor
 of the request's database alias, so the front object and everything above
 it see a single strategy.
@@ -113,7 +113,7 @@ advisory = ByVendor(
     "advisory",
     "advisory",
     {
-        "postgresql": "django_dlock.strategies.advisory:advisory",
-        "mysql": "django_dlock.strategies.advisory_mysql:advisory_mysql",
+        "postgresql": "django_dlock.strategies.advisory.postgresql:advisory",
+        "mysql": "django_dlock.strategies.advisory.mysql:advisory_mysql",
     },
 )

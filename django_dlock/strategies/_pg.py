@@ -1,0 +1,89 @@
+"""PostgreSQL helpers shared by the advisory strategies and ``row``.
+
+Where an advisory lock shows in ``pg_locks`` (:func:`pg_locks_ids`,
+:data:`PG_LOCKS_MATCH`), the ``lock_timeout`` of a bounded wait
+(:func:`lock_timeout_ms`), the SQLSTATE of an error (:func:`sqlstate`) and
+the ``DLOCK_ADVISORY_FENCING`` setting (:func:`fencing`). See the PostgreSQL
+documentation on advisory locks and on the ``pg_locks`` view.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline
+
+#: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
+MAX_LOCK_TIMEOUT_MS = 2_000_000_000
+
+#: SQL for the oid of the current database (``pg_locks.database``)
+DATABASE = "(SELECT oid FROM pg_database WHERE datname = current_database())"
+
+#: SQL that finds a key in ``pg_locks``: classid, objid, objsubid (unsigned)
+PG_LOCKS_MATCH = (
+    "locktype = 'advisory' AND granted AND database = " + DATABASE + " AND classid = "
+    "%s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s"
+)
+
+
+def pg_locks_ids(key: Key) -> tuple[int, int, int]:
+    """Where ``key`` shows in ``pg_locks``: ``(classid, objid, objsubid)``.
+
+    A one-part (bigint) key ``k`` is split into its high and low 32 bits,
+    read as unsigned: ``classid = (k >> 32) & 0xFFFFFFFF``,
+    ``objid = k & 0xFFFFFFFF``, ``objsubid = 1``. A two-part key ``(a, b)``
+    shows as ``classid = a & 0xFFFFFFFF``, ``objid = b & 0xFFFFFFFF``,
+    ``objsubid = 2`` (negative parts wrap around to unsigned oids).
+    """
+    if len(key.advisory) == 1:
+        (k,) = key.advisory
+        return (k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF, 1
+    a, b = key.advisory
+    return a & 0xFFFFFFFF, b & 0xFFFFFFFF, 2
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a (Django-wrapped) PostgreSQL error, if any."""
+    for err in (exc, exc.__cause__):
+        code = getattr(err, "sqlstate", None) or getattr(err, "pgcode", None)
+        if code:
+            return str(code)
+    return None
+
+
+def lock_timeout_ms(deadline: Deadline) -> int | None:
+    """``lock_timeout`` for the next wait: 0 = forever, ``None`` = no time left."""
+    if deadline.timeout is None:
+        return 0
+    left = deadline.remaining()
+    if left <= 0:
+        return None
+    return min(max(1, math.ceil(left * 1000)), MAX_LOCK_TIMEOUT_MS)
+
+
+_fencing: bool | None = None
+
+
+def fencing() -> bool:
+    """``DLOCK_ADVISORY_FENCING``: whether advisory locks take fencing numbers.
+
+    Read once (a missing setting costs a raised error to find out), and
+    again after a ``setting_changed`` signal (``override_settings``).
+    """
+    global _fencing
+    if _fencing is None:
+        _fencing = getattr(settings, "DLOCK_ADVISORY_FENCING", False) is True
+    return _fencing
+
+
+@receiver(setting_changed)
+def _forget_fencing(setting: str, **kwargs: Any) -> None:
+    global _fencing
+    if setting == "DLOCK_ADVISORY_FENCING":
+        _fencing = None
