@@ -20,6 +20,34 @@ live tickets, addressed to the head's ticket alone (payload
 ``django-dlock-ticket:<id>``), so one waiter wakes, not the herd. Elsewhere
 waiters poll at the retry policy's interval, still in ticket order.
 
+A waiter never sleeps through a free key. Under PostgreSQL's default
+isolation (read committed) a statement sees the rows committed when it
+*started*, so a release that started just before a new ticket was committed
+would not see it, send nothing, and leave that waiter asleep until its next
+timed look. Two things close this race; they serialise the release and the
+ticket on the key's row:
+
+* the ticket is inserted in a statement that also locks the key's row
+  ``FOR SHARE`` (and holds the lock until the ticket is committed);
+* a release (also a force-release, and cleanup of dead tickets) first
+  updates the row, then looks for the head in the function
+  ``django_dlock_wake_head``, a ``VOLATILE`` PL/pgSQL function: each query
+  in it takes a fresh snapshot (see "Function Volatility Categories" in the
+  PostgreSQL documentation), taken after the row was locked.
+
+If the release locked the row first, the ticket's statement waits until the
+release is committed, so the waiter's first look, made after its ticket is
+in and its wake-up registered, sees the key free. If the ticket locked the
+row first, the release waits until the ticket is committed, and its fresh
+snapshot sees the ticket and wakes it. Either way the waiter learns that the
+key is free at once.
+
+The same lock closes a cleanup race: ``dlock_cleanup`` deletes a free row
+only if no live ticket waits for its key, and an acquire that *creates* a
+key's row (the row was never there, or was deleted) checks for live tickets
+too, in the same statement. A newcomer therefore never barges past a ticket
+committed before it looked, whether the key's row exists or not.
+
 A ticket taken by ``Lock.enqueue()`` is renewed by a keeper thread of the
 process until its owner calls ``wait()``.
 """
@@ -92,21 +120,34 @@ def none_ahead_sql(connection: BaseDatabaseWrapper, name: str) -> str:
     )
 
 
-#: PostgreSQL: wake the head of ``{name}``'s queue (NULL when nobody waits)
-PG_WAKE_HEAD = (
-    f"(SELECT pg_notify('{CHANNEL}', '{WAKE_PREFIX}' || w.id) FROM {WAITERS} w "
-    "WHERE w.name = {name} AND w.expire_at > statement_timestamp() "
-    "ORDER BY w.id LIMIT 1)"
-)
+#: PostgreSQL: wake the head of ``{name}``'s queue; the head's ticket (NULL when
+#: nobody waits). A function (migration 0004) that reads the queue with a
+#: snapshot of its own, taken after the caller locked the key's row.
+PG_WAKE_HEAD = "django_dlock_wake_head({name})"
+
+# PostgreSQL: a ticket is inserted while the key's row (if any) is locked
+# FOR SHARE, so it waits for a release in flight, and a release waits for it.
+_PG_ENQUEUE = f"""
+WITH held AS (SELECT 1 FROM {LOCKS} WHERE name = %s FOR SHARE)
+INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at)
+SELECT %s, %s, %s, statement_timestamp(), statement_timestamp() + %s * interval '1 second'
+FROM (SELECT count(*) FROM held) AS h
+RETURNING id
+"""
 
 
 def enqueue(req: Request) -> int:
     """Take a ticket for ``req``'s key; its number."""
+    ttl = ticket_ttl()
 
     def run(connection: BaseDatabaseWrapper) -> int:
+        if connection.vendor == "postgresql":
+            name = req.key.name
+            found = fetch_one(connection, _PG_ENQUEUE, [name, name, req.token, req.owner, ttl])
+            return int(found[0])
         now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
-        params: list[Any] = [req.key.name, req.token, req.owner, ticket_ttl()]
+        params: list[Any] = [req.key.name, req.token, req.owner, ttl]
         sql = (
             f"INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at) "
             f"VALUES (%s, %s, %s, {now}, {now_plus})"
