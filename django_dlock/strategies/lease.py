@@ -269,6 +269,11 @@ class LeaseStrategy:
 
     name = "lease"
     family = "lease"
+    #: a lease outlives the caller's transaction (released or expired, never rolled back)
+    transaction_scoped = False
+
+    def ended(self, req: Request) -> bool:
+        return False  # a lease ends by release, expiry or takeover, never on its own
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         if connection.vendor not in ("postgresql", "sqlite", "mysql"):
@@ -543,6 +548,8 @@ class LeaseStrategy:
         fence, _ = with_reconnect(
             req.alias, lambda connection: self._acquire_on(connection, req, ticket)
         )
+        if ticket is not None and fence is not None:
+            queue.done(ticket)
         return fence
 
     def _acquire_on(

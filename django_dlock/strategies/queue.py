@@ -55,7 +55,6 @@ process until its owner calls ``wait()``.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Iterable
@@ -67,6 +66,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock
 from django_dlock.strategies.base import Request, cursor, execute, fetch_one, with_reconnect
+from django_dlock.validation import ticket_ttl_error
 
 logger = logging.getLogger("django_dlock")
 
@@ -75,8 +75,6 @@ LOCKS = "django_dlock_lock"
 CHANNEL = "django_dlock"
 #: payload prefix of a wake-up addressed to one ticket (lock names are namespaced)
 WAKE_PREFIX = "django-dlock-ticket:"
-#: longest ticket lease accepted (a dead waiter blocks its queue this long)
-MAX_TICKET_TTL = 3600.0
 #: the ticket number of a caller without a ticket: every live ticket is ahead of it
 NEWCOMER = 2**62
 
@@ -88,16 +86,9 @@ def ticket_ttl() -> float:
         ValueError: the setting is not a number of seconds > 0.
     """
     value = getattr(settings, "DLOCK_QUEUE_TICKET_TTL", 6.0)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_TICKET_TTL
-    ):
-        raise ValueError(
-            f"the DLOCK_QUEUE_TICKET_TTL setting must be a number of seconds > 0 and "
-            f"<= {MAX_TICKET_TTL:g}, got {value!r}"
-        )
+    problem = ticket_ttl_error(value)
+    if problem is not None:
+        raise ValueError(f"the DLOCK_QUEUE_TICKET_TTL setting is invalid: {problem}")
     return float(value)
 
 
@@ -160,7 +151,42 @@ def enqueue(req: Request) -> int:
         return int(row[0])
 
     ticket, _ = with_reconnect(req.alias, run)
+    _count(ticket)
     return ticket
+
+
+# -- this process's tickets, counted in the dlock_waiters gauge -------------------
+
+#: ticket -> the metrics gauge it was counted in (None: metrics were off)
+_mine: dict[int, Any] = {}
+_mine_mutex = threading.Lock()
+
+
+def _count(ticket: int) -> None:
+    from django_dlock import metrics
+
+    observer = metrics.observer
+    gauge = observer.waiters if observer is not None else None
+    with _mine_mutex:
+        _mine[ticket] = gauge
+    if gauge is not None:
+        gauge.inc()
+
+
+def done(ticket: int) -> None:
+    """A ticket of this process ended (granted, given up): it no longer counts."""
+    with _mine_mutex:
+        if ticket not in _mine:
+            return
+        gauge = _mine.pop(ticket)
+    if gauge is not None:
+        gauge.dec()
+
+
+def waiting_here() -> int:
+    """How many tickets this process holds now (callers waiting in a lease queue)."""
+    with _mine_mutex:
+        return len(_mine)
 
 
 def beat(req: Request, ticket: int) -> None:
@@ -219,6 +245,7 @@ def leave(alias: str, ticket: int) -> None:
         else:
             forget(connection, ticket)
 
+    done(ticket)
     try:
         with_reconnect(alias, run)
     except Exception:
@@ -304,8 +331,10 @@ keeper = _Keeper()
 
 
 def _after_fork_in_child() -> None:
-    global keeper
+    global keeper, _mine_mutex
     keeper = _Keeper()
+    _mine.clear()  # the parent's waiters
+    _mine_mutex = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
