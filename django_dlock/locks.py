@@ -348,7 +348,10 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
     ``ended(request)`` (no query) when the database has dropped the lock.
     """
     holding: Holding | None = holder.holdings.get(slot)
-    if holding is not None and holding.strategy.ended(holding.request):
+    # (getattr: the per-database advisory strategies behind the ``advisory``
+    # dispatcher do not declare ``ended`` yet)
+    ended = getattr(holding.strategy, "ended", None) if holding is not None else None
+    if holding is not None and ended is not None and ended(holding.request):
         holder.holdings.pop(slot, None)
         if holding.renewer is not None:
             with contextlib.suppress(BaseException):
