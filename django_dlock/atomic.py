@@ -61,7 +61,7 @@ def lock_and_atomic(
     lk = Lock(key, using=using, **options)
     alias = lk.alias
     atomic = transaction.atomic(using=alias, savepoint=savepoint, durable=durable)
-    if getattr(get_strategy(lk.strategy_name), "transaction_scoped", False):
+    if get_strategy(lk.strategy_name).transaction_scoped:
         with atomic, lk:
             yield lk
         return

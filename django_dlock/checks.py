@@ -1,6 +1,6 @@
 """Every system check of django-dlock, registered here (stable IDs, listed in the docs).
 
-* ``dlock.E001``-``E005``: each ``DLOCK_*`` setting has a valid value;
+* ``dlock.E001``-``E006``: each ``DLOCK_*`` setting has a valid value;
 * ``dlock.E010``-``E013``, ``W010``-``W011``: the default strategy fits the
   lock database (settings only, never a connection);
 * ``dlock.E020``-``E027``, ``W020``-``W023``: ``DLOCK_MIDDLEWARE_RULES`` and
@@ -29,6 +29,7 @@ from django_dlock.validation import (
     direct_databases_error,
     retry_interval_error,
     strategy_error,
+    ticket_ttl_error,
     timeout_error,
     ttl_error,
 )
@@ -39,12 +40,13 @@ _SETTING_CHECKS: list[tuple[str, str, Callable[[object], str | None]]] = [
     ("dlock.E003", "DLOCK_DEFAULT_TIMEOUT", timeout_error),
     ("dlock.E004", "DLOCK_RETRY_INTERVAL", retry_interval_error),
     ("dlock.E005", "DLOCK_LEASE_SYNCHRONOUS_COMMIT", bool_error),
+    ("dlock.E006", "DLOCK_QUEUE_TICKET_TTL", ticket_ttl_error),
 ]
 
 
 @register(Tags.compatibility)
 def check_settings(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E001-E005: each ``DLOCK_*`` setting has a valid value."""
+    """dlock.E001-E006: each ``DLOCK_*`` setting has a valid value."""
     errors: list[CheckMessage] = []
     for check_id, name, validate in _SETTING_CHECKS:
         value = getattr(settings, name, DEFAULTS[name])

@@ -57,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_METRICS": None,
     "DLOCK_DIRECT_DATABASES": {},
     "DLOCK_ADVISORY_FENCING": False,
+    "DLOCK_QUEUE_TICKET_TTL": 6.0,
 }
 
 

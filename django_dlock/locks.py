@@ -308,7 +308,7 @@ def _traits(name: str) -> tuple[str, bool]:
     found = _TRAITS.get(name)
     if found is None:
         strategy = get_strategy(name)
-        scoped = bool(getattr(strategy, "transaction_scoped", False))
+        scoped = strategy.transaction_scoped
         found = _TRAITS[name] = (strategy.family, scoped)
     return found
 
@@ -348,6 +348,8 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
     ``ended(request)`` (no query) when the database has dropped the lock.
     """
     holding: Holding | None = holder.holdings.get(slot)
+    # (getattr: the per-database advisory strategies behind the ``advisory``
+    # dispatcher do not declare ``ended`` yet)
     ended = getattr(holding.strategy, "ended", None) if holding is not None else None
     if holding is not None and ended is not None and ended(holding.request):
         holder.holdings.pop(slot, None)
@@ -474,6 +476,11 @@ class Lock:
             return self._strategy_arg
         value: str = _default("DLOCK_DEFAULT_STRATEGY")
         return value
+
+    @property
+    def queues_waiters(self) -> bool:
+        """Whether its waiters take tickets in the lease queue (``lease`` on one database)."""
+        return self._quorum is None and self.strategy_name == "lease"
 
     @property
     def ttl(self) -> float:

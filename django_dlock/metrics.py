@@ -12,8 +12,11 @@ exports that registry shows them (django-prometheus's ``/metrics`` view,
 * ``dlock_held_seconds`` (histogram; ``strategy``): how long a lock was held,
   observed at its release.
 * ``dlock_lost_total`` (counter; ``strategy``): locks lost while held.
-* ``dlock_waiters`` (gauge): callers waiting in ``acquire`` now (one-try
-  acquires are not waiters).
+* ``dlock_waiters`` (gauge): callers of this process waiting for a lock now:
+  on ``lease``, the tickets this process holds in the waiter queue (from
+  the moment a ticket is taken, by a waiting ``acquire`` or by ``enqueue()``,
+  until it is granted or given up); on the other strategies, callers
+  waiting in ``acquire`` (one-try acquires are not waiters).
 
 Off (the default, ``DLOCK_METRICS = None``), nothing is connected: the only
 cost left in the acquire path is one attribute test.
@@ -95,7 +98,7 @@ class PrometheusObserver:
         self._acquire_child(lk.strategy_name, outcome).observe(deadline.elapsed())
 
     def acquire(self, lk: Lock, deadline: Deadline, attempt: Callable[[Deadline], bool]) -> bool:
-        waiting = deadline.timeout != 0
+        waiting = deadline.timeout != 0 and not lk.queues_waiters
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None
@@ -110,7 +113,7 @@ class PrometheusObserver:
     async def aacquire(
         self, lk: Lock, deadline: Deadline, attempt: Callable[[Deadline], Awaitable[bool]]
     ) -> bool:
-        waiting = deadline.timeout != 0
+        waiting = deadline.timeout != 0 and not lk.queues_waiters
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None

@@ -50,14 +50,8 @@ T = TypeVar("T")
 class _HoldAtLeast(LeaseStrategy):
     """The lease strategy whose release keeps the lease until ``acquired_at + min_hold``."""
 
-    # The Strategy protocol's two members (to move into LeaseStrategy itself).
-    transaction_scoped = False
-
     def __init__(self, min_hold: float) -> None:
         self.min_hold = min_hold
-
-    def ended(self, req: Request) -> bool:
-        return False  # a lease ends by release, expiry or takeover, never on its own
 
     def release(self, req: Request) -> bool:
         return self.release_after(req, self.min_hold)

@@ -204,3 +204,17 @@ def contention_policy_error(value: object, timeout: object) -> str | None:
     if not 400 <= value <= 599:
         return f"on_contention status must be an HTTP error status (400-599), got {value}"
     return None
+
+
+#: longest ticket lease accepted for ``DLOCK_QUEUE_TICKET_TTL`` (a dead waiter blocks its
+#: queue this long)
+MAX_TICKET_TTL = 3600.0
+
+
+def ticket_ttl_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid ``DLOCK_QUEUE_TICKET_TTL``, or ``None``."""
+    number = value if _is_number(value) else math.nan
+    assert isinstance(number, (int, float))
+    if not 0 < number <= MAX_TICKET_TTL:  # (NaN compares false)
+        return f"it must be a number of seconds > 0 and <= {MAX_TICKET_TTL:g}, got {value!r}"
+    return None

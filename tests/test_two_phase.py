@@ -276,3 +276,44 @@ def test_a_bad_ticket_ttl_setting_is_a_named_error(alias, bad):
             dlock.lock("tp-bad-ttl", using=alias).acquire(timeout=1)
     finally:
         holder.release()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "6", float("nan"), float("inf"), True, 10**6])
+def test_a_bad_ticket_ttl_setting_is_reported_by_a_system_check(bad):
+    from django_dlock.checks import check_settings
+
+    with override_settings(DLOCK_QUEUE_TICKET_TTL=bad):
+        found = [error for error in check_settings() if error.id == "dlock.E006"]
+    assert len(found) == 1 and "DLOCK_QUEUE_TICKET_TTL" in found[0].msg
+    with override_settings(DLOCK_QUEUE_TICKET_TTL=2.5):
+        assert not [error for error in check_settings() if error.id == "dlock.E006"]
+
+
+def test_the_waiters_gauge_counts_this_process_tickets(alias):
+    from prometheus_client import REGISTRY
+
+    def waiters() -> float:
+        return REGISTRY.get_sample_value("dlock_waiters") or 0.0
+
+    with override_settings(DLOCK_METRICS="prometheus"):
+        holder = Holder(alias, "tp-gauge")
+        base = waiters()
+        lk = dlock.lock("tp-gauge", using=alias, ttl=30)
+        assert lk.enqueue() is False  # a place in the queue, not (yet) in wait()
+        assert waiters() == base + 1
+        # A try-once takes no ticket; a blocked acquire does, until it is served.
+        assert in_thread(lambda: dlock.lock("tp-gauge", using=alias).acquire(timeout=0)) is False
+        assert waiters() == base + 1
+        second = threading.Thread(
+            target=lambda: in_thread(
+                lambda: dlock.lock("tp-gauge", using=alias, ttl=30).acquire(timeout=30)
+            )
+        )
+        second.start()
+        wait_until(lambda: waiters() == base + 2)
+        holder.release()
+        assert lk.wait(timeout=30) is True
+        assert waiters() == base + 1  # the first place was served
+        lk.release()
+        second.join(30)
+        assert waiters() == base

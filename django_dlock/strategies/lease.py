@@ -128,8 +128,14 @@ NOTIFY_CHANNEL = "django_dlock"
 # PostgreSQL acquire, with {new_fence} and {returning} filled per durability.
 _PG_ACQUIRE = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
-VALUES (%s, %s, %s, {{new_fence}}, statement_timestamp(),
-        statement_timestamp() + %s * interval '1 second')
+SELECT %s, %s, %s, {{new_fence}}, statement_timestamp(),
+       statement_timestamp() + %s * interval '1 second'
+WHERE NOT EXISTS (
+        SELECT 1 FROM {WAITERS} w WHERE w.name = %s
+        AND w.expire_at > statement_timestamp() AND w.id < %s)
+   OR EXISTS (
+        SELECT 1 FROM {TABLE} o WHERE o.name = %s AND o.token = %s
+        AND o.expire_at > statement_timestamp())
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
@@ -168,9 +174,13 @@ _PG_ACQUIRE_TICKET_SQL = {
 
 _SQLITE_ACQUIRE = f"""
 INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at)
-VALUES (%s, %s, %s,
-        COALESCE((SELECT value FROM django_dlock_fencefloor WHERE id = 1), 0) + 1,
-        {{now}}, {{now_plus}})
+SELECT %s, %s, %s,
+       COALESCE((SELECT value FROM django_dlock_fencefloor WHERE id = 1), 0) + 1,
+       {{now}}, {{now_plus}}
+WHERE NOT EXISTS (
+        SELECT 1 FROM {WAITERS} w WHERE w.name = %s AND w.expire_at > {{now}} AND w.id < %s)
+   OR EXISTS (
+        SELECT 1 FROM {TABLE} o WHERE o.name = %s AND o.token = %s AND o.expire_at > {{now}})
 ON CONFLICT (name) DO UPDATE SET
     token = excluded.token,
     owner = excluded.owner,
@@ -198,6 +208,10 @@ _MYSQL_TAKE = (
     "token = %s, owner = %s, fence = %s, "
     "expire_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND "
     "WHERE name = %s"
+)
+_MYSQL_AHEAD = (
+    f"SELECT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = %s "
+    "AND w.expire_at > UTC_TIMESTAMP(6) AND w.id < %s)"
 )
 _MYSQL_FLOOR = "SELECT value FROM django_dlock_fencefloor WHERE id = 1 LOCK IN SHARE MODE"
 _MYSQL_INSERT = (
@@ -255,6 +269,11 @@ class LeaseStrategy:
 
     name = "lease"
     family = "lease"
+    #: a lease outlives the caller's transaction (released or expired, never rolled back)
+    transaction_scoped = False
+
+    def ended(self, req: Request) -> bool:
+        return False  # a lease ends by release, expiry or takeover, never on its own
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         if connection.vendor not in ("postgresql", "sqlite", "mysql"):
@@ -529,6 +548,8 @@ class LeaseStrategy:
         fence, _ = with_reconnect(
             req.alias, lambda connection: self._acquire_on(connection, req, ticket)
         )
+        if ticket is not None and fence is not None:
+            queue.done(ticket)
         return fence
 
     def _acquire_on(
@@ -537,18 +558,17 @@ class LeaseStrategy:
         vendor = dbclock.vendor(connection)
         if vendor == "mysql":
             return self._mysql_acquire(connection, req, ticket)
-        params = [req.key.name, req.token, req.owner, req.ttl, queue.NEWCOMER]
+        name, token = req.key.name, req.token
+        place = queue.NEWCOMER if ticket is None else ticket
+        params = [name, token, req.owner, req.ttl, name, place, name, token, place]
         if vendor == "postgresql":
             if ticket is not None:
-                params[-1] = ticket
                 sql = _PG_ACQUIRE_TICKET_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
                 row = fetch_one(connection, sql, [*params, ticket], True)
                 return None if row is None else int(row[0])
             sql = _PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
         else:
             sql = _SQLITE_ACQUIRE
-            if ticket is not None:
-                params[-1] = ticket
         row = fetch_one(connection, sql, params, True)
         if row is None:
             return None
@@ -582,6 +602,10 @@ class LeaseStrategy:
         cur.execute(_MYSQL_SELECT, [req.key.name, place, req.key.name])
         row = cur.fetchone()
         if row is None:
+            # No row (never used, or deleted by cleanup): live tickets still go first.
+            cur.execute(_MYSQL_AHEAD, [req.key.name, place])
+            if cur.fetchone()[0]:
+                return None
             cur.execute(_MYSQL_FLOOR)
             floor = cur.fetchone()
             fence = (int(floor[0]) if floor else 0) + 1

@@ -20,6 +20,34 @@ live tickets, addressed to the head's ticket alone (payload
 ``django-dlock-ticket:<id>``), so one waiter wakes, not the herd. Elsewhere
 waiters poll at the retry policy's interval, still in ticket order.
 
+A waiter never sleeps through a free key. Under PostgreSQL's default
+isolation (read committed) a statement sees the rows committed when it
+*started*, so a release that started just before a new ticket was committed
+would not see it, send nothing, and leave that waiter asleep until its next
+timed look. Two things close this race; they serialise the release and the
+ticket on the key's row:
+
+* the ticket is inserted in a statement that also locks the key's row
+  ``FOR SHARE`` (and holds the lock until the ticket is committed);
+* a release (also a force-release, and cleanup of dead tickets) first
+  updates the row, then looks for the head in the function
+  ``django_dlock_wake_head``, a ``VOLATILE`` PL/pgSQL function: each query
+  in it takes a fresh snapshot (see "Function Volatility Categories" in the
+  PostgreSQL documentation), taken after the row was locked.
+
+If the release locked the row first, the ticket's statement waits until the
+release is committed, so the waiter's first look, made after its ticket is
+in and its wake-up registered, sees the key free. If the ticket locked the
+row first, the release waits until the ticket is committed, and its fresh
+snapshot sees the ticket and wakes it. Either way the waiter learns that the
+key is free at once.
+
+The same lock closes a cleanup race: ``dlock_cleanup`` deletes a free row
+only if no live ticket waits for its key, and an acquire that *creates* a
+key's row (the row was never there, or was deleted) checks for live tickets
+too, in the same statement. A newcomer therefore never barges past a ticket
+committed before it looked, whether the key's row exists or not.
+
 A ticket taken by ``Lock.enqueue()`` is renewed by a keeper thread of the
 process until its owner calls ``wait()``.
 """
@@ -27,7 +55,6 @@ process until its owner calls ``wait()``.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Iterable
@@ -39,6 +66,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock
 from django_dlock.strategies.base import Request, cursor, execute, fetch_one, with_reconnect
+from django_dlock.validation import ticket_ttl_error
 
 logger = logging.getLogger("django_dlock")
 
@@ -47,8 +75,6 @@ LOCKS = "django_dlock_lock"
 CHANNEL = "django_dlock"
 #: payload prefix of a wake-up addressed to one ticket (lock names are namespaced)
 WAKE_PREFIX = "django-dlock-ticket:"
-#: longest ticket lease accepted (a dead waiter blocks its queue this long)
-MAX_TICKET_TTL = 3600.0
 #: the ticket number of a caller without a ticket: every live ticket is ahead of it
 NEWCOMER = 2**62
 
@@ -60,16 +86,9 @@ def ticket_ttl() -> float:
         ValueError: the setting is not a number of seconds > 0.
     """
     value = getattr(settings, "DLOCK_QUEUE_TICKET_TTL", 6.0)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_TICKET_TTL
-    ):
-        raise ValueError(
-            f"the DLOCK_QUEUE_TICKET_TTL setting must be a number of seconds > 0 and "
-            f"<= {MAX_TICKET_TTL:g}, got {value!r}"
-        )
+    problem = ticket_ttl_error(value)
+    if problem is not None:
+        raise ValueError(f"the DLOCK_QUEUE_TICKET_TTL setting is invalid: {problem}")
     return float(value)
 
 
@@ -92,21 +111,34 @@ def none_ahead_sql(connection: BaseDatabaseWrapper, name: str) -> str:
     )
 
 
-#: PostgreSQL: wake the head of ``{name}``'s queue (NULL when nobody waits)
-PG_WAKE_HEAD = (
-    f"(SELECT pg_notify('{CHANNEL}', '{WAKE_PREFIX}' || w.id) FROM {WAITERS} w "
-    "WHERE w.name = {name} AND w.expire_at > statement_timestamp() "
-    "ORDER BY w.id LIMIT 1)"
-)
+#: PostgreSQL: wake the head of ``{name}``'s queue; the head's ticket (NULL when
+#: nobody waits). A function (migration 0004) that reads the queue with a
+#: snapshot of its own, taken after the caller locked the key's row.
+PG_WAKE_HEAD = "django_dlock_wake_head({name})"
+
+# PostgreSQL: a ticket is inserted while the key's row (if any) is locked
+# FOR SHARE, so it waits for a release in flight, and a release waits for it.
+_PG_ENQUEUE = f"""
+WITH held AS (SELECT 1 FROM {LOCKS} WHERE name = %s FOR SHARE)
+INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at)
+SELECT %s, %s, %s, statement_timestamp(), statement_timestamp() + %s * interval '1 second'
+FROM (SELECT count(*) FROM held) AS h
+RETURNING id
+"""
 
 
 def enqueue(req: Request) -> int:
     """Take a ticket for ``req``'s key; its number."""
+    ttl = ticket_ttl()
 
     def run(connection: BaseDatabaseWrapper) -> int:
+        if connection.vendor == "postgresql":
+            name = req.key.name
+            found = fetch_one(connection, _PG_ENQUEUE, [name, name, req.token, req.owner, ttl])
+            return int(found[0])
         now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
-        params: list[Any] = [req.key.name, req.token, req.owner, ticket_ttl()]
+        params: list[Any] = [req.key.name, req.token, req.owner, ttl]
         sql = (
             f"INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at) "
             f"VALUES (%s, %s, %s, {now}, {now_plus})"
@@ -119,7 +151,42 @@ def enqueue(req: Request) -> int:
         return int(row[0])
 
     ticket, _ = with_reconnect(req.alias, run)
+    _count(ticket)
     return ticket
+
+
+# -- this process's tickets, counted in the dlock_waiters gauge -------------------
+
+#: ticket -> the metrics gauge it was counted in (None: metrics were off)
+_mine: dict[int, Any] = {}
+_mine_mutex = threading.Lock()
+
+
+def _count(ticket: int) -> None:
+    from django_dlock import metrics
+
+    observer = metrics.observer
+    gauge = observer.waiters if observer is not None else None
+    with _mine_mutex:
+        _mine[ticket] = gauge
+    if gauge is not None:
+        gauge.inc()
+
+
+def done(ticket: int) -> None:
+    """A ticket of this process ended (granted, given up): it no longer counts."""
+    with _mine_mutex:
+        if ticket not in _mine:
+            return
+        gauge = _mine.pop(ticket)
+    if gauge is not None:
+        gauge.dec()
+
+
+def waiting_here() -> int:
+    """How many tickets this process holds now (callers waiting in a lease queue)."""
+    with _mine_mutex:
+        return len(_mine)
 
 
 def beat(req: Request, ticket: int) -> None:
@@ -178,6 +245,7 @@ def leave(alias: str, ticket: int) -> None:
         else:
             forget(connection, ticket)
 
+    done(ticket)
     try:
         with_reconnect(alias, run)
     except Exception:
@@ -263,8 +331,10 @@ keeper = _Keeper()
 
 
 def _after_fork_in_child() -> None:
-    global keeper
+    global keeper, _mine_mutex
     keeper = _Keeper()
+    _mine.clear()  # the parent's waiters
+    _mine_mutex = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

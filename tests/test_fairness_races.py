@@ -1,0 +1,152 @@
+"""The lease queue's races: a release racing a new ticket, and cleanup racing a ticket.
+
+PostgreSQL judges each statement on the rows committed when it started, so
+a release that started just before a ticket was committed used to miss it
+(no wake-up: the waiter slept until its next timed look), and a key's row
+deleted by cleanup while a ticket was being inserted let a newcomer create
+a fresh row past the queue. These tests hold one side of each race open in
+a transaction of their own and check the other side's outcome, so they
+need no timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from django.db import connections
+
+import django_dlock as dlock
+from django_dlock import notify
+from django_dlock.keys import make_key
+from django_dlock.strategies import queue
+from django_dlock.strategies.base import Request
+from django_dlock.strategies.lease import _PG_RELEASE_SQL, lease
+
+from .helpers import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+def _raw(alias: str) -> Any:
+    """A psycopg connection of our own to the test database, in a transaction."""
+    conn = notify._connect_like(alias)()
+    conn.autocommit = False
+    return conn
+
+
+def _blocked_by(alias: str, pid: int) -> bool:
+    """Whether some backend waits for a lock held by backend ``pid``."""
+    with connections[alias].cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", [pid]
+        )
+        return bool(cur.fetchone()[0])
+
+
+def _request(name: str, token: str, alias: str = "default") -> Request:
+    return Request(key=make_key(name), alias=alias, token=token, owner=f"test {token}", ttl=30)
+
+
+def _in_background(func: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(func())
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def test_a_release_waiting_for_a_ticket_wakes_it(pg):
+    """The ticket locked the key's row first: the release waits for it and wakes it."""
+    holder = _request("race-ticket-first", "holder")
+    assert lease.try_acquire(holder) is not None
+    listen = notify._connect_like(pg)()
+    listen.execute(f"LISTEN {queue.CHANNEL}")
+    ticketing = _raw(pg)
+    try:
+        ticket = int(
+            ticketing.execute(
+                queue._PG_ENQUEUE,
+                [holder.key.name, holder.key.name, "waiter", "test waiter", 30.0],
+            ).fetchone()[0]
+        )
+        # The release starts now, before the ticket is committed...
+        thread, out = _in_background(lambda: lease.release(holder))
+        wait_until(lambda: _blocked_by(pg, ticketing.info.backend_pid))
+        ticketing.commit()
+        thread.join(30)
+        assert out == [True]
+        # ... and still wakes the ticket, addressed to it alone.
+        heard = []
+        for message in listen.notifies(timeout=10.0, stop_after=1):
+            heard.append(message.payload)
+        assert heard == [queue.wake_payload(ticket)]
+    finally:
+        ticketing.close()
+        listen.close()
+
+
+def test_a_ticket_waits_for_a_release_in_flight(pg):
+    """The release locked the key's row first: the ticket is taken after it
+    commits, so the waiter's first look sees the key free."""
+    holder = _request("race-release-first", "holder")
+    waiter = _request("race-release-first", "waiter")
+    assert lease.try_acquire(holder) is not None
+    releasing = _raw(pg)
+    try:
+        found = releasing.execute(_PG_RELEASE_SQL[True], [holder.key.name, holder.token]).fetchone()
+        assert found is not None  # released, not yet committed
+        thread, out = _in_background(lambda: queue.enqueue(waiter))
+        wait_until(lambda: _blocked_by(pg, releasing.info.backend_pid))
+        releasing.commit()
+        thread.join(30)
+        (ticket,) = out
+        assert isinstance(ticket, int)
+        look = lease._look(waiter, ticket)
+        assert look.left <= 0 and not look.ahead
+        assert lease.try_acquire(waiter, ticket) is not None
+    finally:
+        releasing.close()
+    assert lease.release(waiter)
+
+
+def test_no_barging_when_the_keys_row_is_gone(alias):
+    """A live ticket waits for a key whose row cleanup deleted: a newcomer's
+    try-once must not create a fresh row past it; the ticket is served."""
+    waiter = _request("race-no-row", "waiter", alias)
+    ticket = queue.enqueue(waiter)
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT count(*) FROM django_dlock_lock WHERE name = %s", [waiter.key.name])
+        assert cur.fetchone()[0] == 0
+    assert dlock.lock("race-no-row", using=alias).acquire(timeout=0) is False
+    assert lease.try_acquire(_request("race-no-row", "newcomer", alias)) is None
+    fence = lease.try_acquire(waiter, ticket)
+    assert fence is not None
+    # Re-acquiring one's own live lease still works while others wait.
+    other = queue.enqueue(_request("race-no-row", "second", alias))
+    assert lease.try_acquire(waiter) == fence
+    assert lease.release(waiter)
+    queue.leave(alias, other)
+
+
+def test_cleanup_keeps_a_free_row_with_a_live_ticket_and_the_ticket_is_served(alias):
+    from django_dlock.cleanup import delete_free
+
+    holder = dlock.lock("race-cleanup", using=alias, ttl=30)
+    assert holder.acquire(timeout=0)
+    waiter = _request("race-cleanup", "waiter", alias)
+    ticket = queue.enqueue(waiter)
+    holder.release()
+    delete_free(using=alias)
+    assert dlock.lock("race-cleanup", using=alias).acquire(timeout=0) is False
+    assert lease.try_acquire(waiter, ticket) is not None
+    assert lease.release(waiter)
