@@ -348,10 +348,7 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
     ``ended(request)`` (no query) when the database has dropped the lock.
     """
     holding: Holding | None = holder.holdings.get(slot)
-    # (getattr: the per-database advisory strategies behind the ``advisory``
-    # dispatcher do not declare ``ended`` yet)
-    ended = getattr(holding.strategy, "ended", None) if holding is not None else None
-    if holding is not None and ended is not None and ended(holding.request):
+    if holding is not None and holding.strategy.ended(holding.request):
         holder.holdings.pop(slot, None)
         if holding.renewer is not None:
             with contextlib.suppress(BaseException):
@@ -1085,7 +1082,7 @@ class Lock:
             if grant is None:
                 if isinstance(strategy, LeaseStrategy):
                     ticket = queue.enqueue(req)
-                    queue.keeper.add(req, ticket)
+                    queue.keeper.add(req, ticket, _holder_alive())
                     queued = _Queued(req, index, ticket=ticket)
                 else:
                     queued = _Queued(req, index, pending=self._pending(holder, strategy, req))
@@ -1110,7 +1107,7 @@ class Lock:
             if grant is None:
                 if isinstance(strategy, LeaseStrategy):
                     ticket = await strategy.aenqueue(req)
-                    queue.keeper.add(req, ticket)
+                    queue.keeper.add(req, ticket, _holder_alive())
                     queued = _Queued(req, index, ticket=ticket)
                 else:
                     queued = _Queued(req, index, pending=self._pending(holder, strategy, req))

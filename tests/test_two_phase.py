@@ -102,6 +102,22 @@ def test_a_place_is_kept_while_the_caller_works(alias):
         lk.release()
 
 
+def test_a_place_taken_by_a_thread_that_ended_without_waiting_is_given_up(alias):
+    holder = Holder(alias, "tp-orphan")
+    lk = dlock.lock("tp-orphan", using=alias)
+    try:
+        assert in_thread(lk.enqueue) is False  # that thread ends without wait()
+        assert _tickets(alias, lk.name) == 1
+        # the keeper stops renewing it and deletes it (it would renew it forever,
+        # and the key would stay blocked for everyone behind that place)
+        wait_until(lambda: _tickets(alias, lk.name) == 0, timeout=30)
+    finally:
+        holder.release()
+    again = dlock.lock("tp-orphan", using=alias)
+    assert again.acquire(timeout=0) is True
+    again.release()
+
+
 def test_wait_without_enqueue_is_an_error(alias):
     holder = Holder(alias, "tp-none")
     try:

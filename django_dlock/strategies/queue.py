@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.conf import settings
@@ -284,13 +284,19 @@ class _Keeper:
 
     def __init__(self) -> None:
         self.mutex = threading.Lock()
-        self.tickets: dict[int, Request] = {}
+        #: ticket -> (its request, whether the thread or task that took it still runs)
+        self.tickets: dict[int, tuple[Request, Callable[[], bool]]] = {}
         self.changed = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def add(self, req: Request, ticket: int) -> None:
+    def add(self, req: Request, ticket: int, alive: Callable[[], bool]) -> None:
+        """Renew ``ticket`` until :meth:`remove`, or until its holder is gone.
+
+        A thread or task that took a place and ended without ``wait()`` gives
+        the place up (its ticket is deleted), so it blocks nobody.
+        """
         with self.mutex:
-            self.tickets[ticket] = req
+            self.tickets[ticket] = (req, alive)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="django-dlock-ticket-keeper", daemon=True
@@ -313,12 +319,18 @@ class _Keeper:
                     if not found:
                         self.thread = None
                         return
-                for ticket, req in found:
+                for ticket, (req, alive) in found:
                     with self.mutex:
                         if ticket not in self.tickets:
                             continue
+                        orphan = not alive()
+                        if orphan:
+                            del self.tickets[ticket]
                     try:
-                        beat(req, ticket)
+                        if orphan:
+                            leave(req.alias, ticket)
+                        else:
+                            beat(req, ticket)
                     except Exception as exc:
                         logger.warning(
                             "django-dlock: could not renew waiter ticket %s: %s", ticket, exc

@@ -72,7 +72,16 @@ class AsyncWait:
 
 
 class SessionAsyncAcquire:
-    """``aacquire`` for a strategy with a blocking ``_acquire`` and ``release``."""
+    """``aacquire`` for a strategy with a blocking ``_acquire`` and ``release``.
+
+    Its strategies hold session-level locks: not transaction-scoped, and a
+    lock ends only when released or when its session ends.
+    """
+
+    transaction_scoped = False
+
+    def ended(self, req: Request) -> bool:
+        return False
 
     def _acquire(
         self,
