@@ -2,7 +2,8 @@
 
 Options: ``--quick`` (fewer, shorter rounds: a smoke run), ``--rounds``,
 ``--seconds`` (per round), ``--only SECTION`` (repeatable: uncontended,
-handoff, queue, scale, failover, scaling, memory), ``--no-write`` (print only).
+handoff, queue, scale, failover, scaling, memory, quorum), ``--no-write``
+(print only).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = ("uncontended", "handoff", "queue", "scale", "failover", "scaling", "memory")
+ALL = ("uncontended", "handoff", "queue", "scale", "failover", "scaling", "memory", "quorum")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from .common import ensure_databases, setup_django
 
+    if "quorum" in only:
+        from . import quorum
+
+        quorum.add_aliases()  # before Django reads the settings
     setup_django()
     ensure_databases()
     from . import report
@@ -69,9 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         from . import failover
 
         print("leader failover ...", file=sys.stderr)
-        sections["4. Leader failover (manage.py runworker)"] = report.failover_table(
-            failover.run(args.kills)
-        )
+        sections["4. Leader failover (manage.py runworker)"] = [
+            *report.failover_table(failover.run(args.kills)),
+            "",
+            "When the database itself fails over (a private primary and its streaming",
+            "standby, the primary SIGKILLed and the standby promoted at once, one client",
+            "trying to acquire a free lease through the same address all along), the",
+            "time from the kill:",
+            "",
+            failover.primary_killed_table(args.kills),
+            "",
+            "An HA manager adds its own time to notice the failure before it promotes",
+            "(Patroni: up to its `ttl`). What holders see meanwhile:",
+            "[high availability and fail-over](ha.md).",
+        ]
 
     if "scaling" in only:
         from . import scaling
@@ -89,6 +105,19 @@ def main(argv: list[str] | None = None) -> int:
 
         print("memory and sessions ...", file=sys.stderr)
         sections["6. Memory and sessions of one process"] = report.memory_table(memory.run())
+
+    if "quorum" in only:
+        from . import quorum
+
+        print("quorum on three databases ...", file=sys.stderr)
+        quorum.ensure()
+        sections["8. Quorum lease on three databases (one down)"] = [
+            '`dlock.lock(key, using=["q1", "q2", "q3"])` on three databases of',
+            "the same server, against a lease on one of them; then with the third",
+            "refusing connections (see [quorum locks](quorum.md)).",
+            "",
+            *quorum.table(quorum.run(args.rounds, args.seconds)),
+        ]
 
     sections = {
         "Targets": report.targets(unc, hand, acq, cleanups, points, queued),

@@ -17,7 +17,7 @@ from typing import Any
 QUORUM = ["q1", "q2", "q3"]
 
 
-def _add_aliases() -> None:
+def add_aliases() -> None:
     from tests.benchmarks import settings
 
     suffix = os.environ.get("DLOCK_TEST_DB_SUFFIX", "")
@@ -28,7 +28,7 @@ def _add_aliases() -> None:
         }
 
 
-def _ensure() -> None:
+def ensure() -> None:
     import psycopg
     from django.conf import settings
     from django.core.management import call_command
@@ -94,25 +94,31 @@ def run(rounds: int, seconds: float) -> dict[str, Any]:
     return results
 
 
+def table(results: dict[str, Any]) -> list[str]:
+    base = results["lease on one database"].rate
+    lines = [
+        "| work | pairs/s | p50 | p99 | vs one database |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, series in results.items():
+        lines.append(
+            f"| {name} | {series.rate:,.0f} | {series.p(50) * 1000:.2f} ms "
+            f"| {series.p(99) * 1000:.2f} ms | {series.rate / base:.2f}x |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.quorum")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.0)
     args = parser.parse_args(argv)
-    _add_aliases()
+    add_aliases()
     from .common import setup_django
 
     setup_django()
-    _ensure()
-    results = run(args.rounds, args.seconds)
-    base = results["lease on one database"].rate
-    print("| work | pairs/s | p50 | p99 | vs one database |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, series in results.items():
-        print(
-            f"| {name} | {series.rate:,.0f} | {series.p(50) * 1000:.2f} ms "
-            f"| {series.p(99) * 1000:.2f} ms | {series.rate / base:.2f}x |"
-        )
+    ensure()
+    print("\n".join(table(run(args.rounds, args.seconds))))
     return 0
 
 
