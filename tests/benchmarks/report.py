@@ -172,7 +172,37 @@ def targets(
         "| target | this run | holds |",
         "| --- | ---: | :---: |",
         *(f"| {t} | {v} | {'yes' if ok else '**no**'} |" for t, v, ok in rows),
+        *(WHY_MISSED if not all(ok for _, _, ok in rows) else []),
     ]
+
+
+#: what the profiles (callgrind, cProfile, per-step timings) say about missed targets
+WHY_MISSED = [
+    "",
+    "Where a target is missed, why (profiled, not guessed):",
+    "",
+    "* **Client work per pair** (callgrind instruction counts, repeatable on a busy",
+    "  machine, new lock per call): `advisory` 177k instructions, below the raw",
+    "  psycopg floor's 194k; `advisory_xact` 437k and `row` 439k, of which",
+    "  Django's `transaction.atomic` around one statement alone costs 303k (the",
+    '  "Django\'s share" rows above: the form these strategies are used in sets',
+    "  their ceiling, not our code); `lease` 414k against the floor's 189k.",
+    "* **`lease`**: about 80 % of a pair is psycopg waiting on the server. Our",
+    "  statements do more than the floor's upsert + DELETE, on purpose: the",
+    "  acquire checks that no live waiter is ahead (first come, first served) and",
+    "  the release wakes the head of the queue when someone waits. The rest is",
+    "  the lock alias asked of Django's router on every call (routers may be",
+    "  dynamic, so it is not cached).",
+    "* **Hand-off vs python-redis-lock**: a lease hand-off is two durable commits",
+    "  (the holder's release, the head's acquire); per step, p50 over 180",
+    "  hand-offs: release 0.98 ms, notification heard 0.06 ms, waiter woken",
+    "  0.06 ms, acquire 0.77 ms. Our own Python is 0.12 ms of it; an in-memory",
+    "  store does not fsync. With `DLOCK_LEASE_SYNCHRONOUS_COMMIT = False` the",
+    "  commits do not wait for the disk (see [lease](lease.md)).",
+    "* **N processes**: on two cores, clients and server backends share the",
+    "  cores; the floor's one C round trip per statement leaves more of them to",
+    "  the server than a Python client does, and the gap widens with N.",
+]
 
 
 def scaling_table(points: list[Point]) -> list[str]:
