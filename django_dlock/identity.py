@@ -22,6 +22,7 @@ import secrets
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,26 @@ def current_holder() -> Holder:
         holder = Holder(kind="thread", label=threading.current_thread().name)
         _threads.holder = holder
     return holder
+
+
+def holder_alive() -> Callable[[], bool]:
+    """A cheap test of whether the calling thread or asyncio task still runs."""
+    task = current_task()
+    if task is not None:
+        task_ref = weakref.ref(task)
+
+        def task_alive() -> bool:
+            found = task_ref()
+            return found is not None and not found.done()
+
+        return task_alive
+    thread_ref = weakref.ref(threading.current_thread())
+
+    def thread_alive() -> bool:
+        found = thread_ref()
+        return found is not None and found.is_alive()
+
+    return thread_alive
 
 
 def _after_fork_in_child() -> None:
