@@ -19,7 +19,7 @@ from collections.abc import Callable
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
 __all__ = ["SerialThread", "close_thread_connections", "closing", "start_db_thread", "to_the_end"]
 

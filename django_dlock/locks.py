@@ -57,7 +57,8 @@ from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy
-from django_dlock.strategies.base import Abandoned, Request, Strategy, statement_deadline
+from django_dlock.strategies.base import Request, Strategy
+from django_dlock.strategies.deadline import Abandoned, statement_deadline
 from django_dlock.validation import (
     retry_interval_error,
     seconds_or_none,

@@ -12,7 +12,9 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Request, _usable, statement_deadline
+from django_dlock.strategies.base import Request
+from django_dlock.strategies.connection import _usable
+from django_dlock.strategies.deadline import statement_deadline
 
 logger = logging.getLogger("django_dlock")
 
@@ -207,7 +209,7 @@ class _AdvisoryBackend:
         just run the lock statement.
         """
         from django_dlock.strategies._pg import PG_LOCKS_MATCH, pg_locks_ids
-        from django_dlock.strategies.base import fetch_one, lock_connection
+        from django_dlock.strategies.connection import fetch_one, lock_connection
 
         if self.lease.seconds_left(req.alias, req.key) > 0:
             return
