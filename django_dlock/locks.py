@@ -291,6 +291,7 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
     holding: Holding | None = holder.holdings.get(slot)
     if holding is not None and holding.strategy.ended(holding.request):
         holder.holdings.pop(slot, None)
+        holder.losses.pop(slot, None)
         if holding.renewer is not None:
             with contextlib.suppress(BaseException):
                 holding.renewer.stop()
@@ -655,6 +656,7 @@ class Lock:
         if previous is not None:  # lost, and now acquired afresh
             holding.shadowed = previous
         holder.holdings[slot] = holding
+        holder.losses[slot] = holding.mark_lost
         if self.renew:
             renewer = Renewer(
                 name=req.key.name,
@@ -808,8 +810,10 @@ class Lock:
         slot = (req.alias, holding.strategy.family, req.key.name)
         if holder.holdings.get(slot) is holding:
             del holder.holdings[slot]
+            holder.losses.pop(slot, None)
             if holding.shadowed is not None:
                 holder.holdings[slot] = holding.shadowed
+                holder.losses[slot] = holding.shadowed.mark_lost
         renewer_error: BaseException | None = None
         if holding.renewer is not None:
             try:

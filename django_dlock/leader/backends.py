@@ -122,17 +122,6 @@ class _LeaseBackend:
 ADVISORY_TOKEN = "adv:"
 
 
-class _SessionWatch:
-    """Stands in the I/O thread's holdings so that the advisory session
-    watcher (:mod:`django_dlock.sessions`) can report the end of the session."""
-
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
-        self.on_lost = on_lost
-
-    def mark_lost(self, reason: str) -> None:
-        self.on_lost(reason)
-
-
 class _AdvisoryBackend:
     """Leadership is the election's session-level advisory lock (PostgreSQL).
 
@@ -174,8 +163,8 @@ class _AdvisoryBackend:
                 req.key.name,
             )
             return None
-        key = (req.alias, self.advisory.family, req.key.name)
-        current_holder().holdings[key] = _SessionWatch(self.on_lost)
+        # the advisory session watcher reports the end of the session here
+        current_holder().losses[(req.alias, self.advisory.family, req.key.name)] = self.on_lost
         return term
 
     def renew(self, req: Request) -> bool:
@@ -184,7 +173,7 @@ class _AdvisoryBackend:
     def release(self, req: Request) -> bool:
         from django_dlock.identity import current_holder
 
-        current_holder().holdings.pop((req.alias, self.advisory.family, req.key.name), None)
+        current_holder().losses.pop((req.alias, self.advisory.family, req.key.name), None)
         # The lock first: a standby woken by the row's NOTIFY must find it free.
         unlocked = self.advisory.release(req)
         released = self.lease.release(req)
