@@ -10,15 +10,20 @@ the package starts here.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Callable
 
+from asgiref.sync import sync_to_async
 from django.db import connections
 
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
-__all__ = ["SerialThread", "close_thread_connections", "closing", "start_db_thread"]
+__all__ = ["SerialThread", "close_thread_connections", "closing", "start_db_thread", "to_the_end"]
+
+logger = logging.getLogger("django_dlock")
 
 
 def close_thread_connections(alias: str | None = None) -> None:
@@ -49,6 +54,41 @@ def start_db_thread(
     thread = threading.Thread(target=closing(func, alias), name=name, daemon=daemon)
     thread.start()
     return thread
+
+
+async def to_the_end(func: Callable[[], None], what: str) -> None:
+    """Run ``func`` in a worker thread, to the end even if the task is cancelled.
+
+    A release must not be dropped because the task was cancelled before the
+    worker thread started it (``asyncio.wait_for``, a client that went
+    away): then it runs in a thread of its own, and its errors are logged.
+    """
+    mutex = threading.Lock()
+    state = {"started": False, "cancelled": False}
+
+    def run() -> None:
+        with mutex:
+            if state["cancelled"]:
+                return
+            state["started"] = True
+        func()
+
+    try:
+        await sync_to_async(run)()
+    except asyncio.CancelledError:
+        with mutex:
+            state["cancelled"] = True
+            started = state["started"]
+        if not started:
+            start_db_thread(lambda: _run_logged(func, what), "django-dlock-release")
+        raise
+
+
+def _run_logged(func: Callable[[], None], what: str) -> None:
+    try:
+        func()
+    except Exception:
+        logger.exception("django-dlock: %s after a cancellation failed", what)
 
 
 class SerialThread:

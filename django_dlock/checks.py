@@ -129,7 +129,7 @@ def check_poolers(**kwargs: Any) -> list[CheckMessage]:
     from django.db import DatabaseError, connections
 
     from django_dlock.conf import conf
-    from django_dlock.strategies.base import behind_pooler
+    from django_dlock.strategies.deadline import behind_pooler
 
     found: list[CheckMessage] = []
     for alias in kwargs.get("databases") or []:

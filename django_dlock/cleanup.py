@@ -35,10 +35,11 @@ from typing import Any
 from django.db import OperationalError, connections, transaction
 
 from django_dlock import dbclock
+from django_dlock.tables import FENCE_FLOOR_TABLE, FENCE_SEQUENCE, LOCK_TABLE, WAITER_TABLE
 
-TABLE = "django_dlock_lock"
-FLOOR = "django_dlock_fencefloor"
-WAITERS = "django_dlock_waiter"
+TABLE = LOCK_TABLE
+FLOOR = FENCE_FLOOR_TABLE
+WAITERS = WAITER_TABLE
 
 # A free row whose key has live waiters stays: its queue decides who is next.
 _NO_WAITERS = (
@@ -61,15 +62,15 @@ WHERE ctid = ANY(ARRAY(
 _PG_BATCH = f"""
 WITH deleted AS ({_PG_PLAIN_BATCH} RETURNING fence),
 top AS (SELECT count(*) AS n, max(fence) AS fence FROM deleted)
-SELECT n, CASE WHEN fence > (SELECT last_value FROM django_dlock_fence)
-               THEN setval('django_dlock_fence', fence) END
+SELECT n, CASE WHEN fence > (SELECT last_value FROM {FENCE_SEQUENCE})
+               THEN setval('{FENCE_SEQUENCE}', fence) END
 FROM top
 """
 
 # Can a row carry a fence above the sequence? Only a clock-based fence of the
 # fast durability mode can; then every batch raises the sequence.
 _PG_FENCES_AHEAD = f"""
-SELECT COALESCE(max(fence), 0) > (SELECT last_value FROM django_dlock_fence) FROM {TABLE}
+SELECT COALESCE(max(fence), 0) > (SELECT last_value FROM {FENCE_SEQUENCE}) FROM {TABLE}
 """
 
 

@@ -11,7 +11,10 @@
   text that the admin shows.
 
 Each holder keeps its own re-entrancy table (``holder.holdings``): the locks
-it holds, with their counts. The table dies with the thread or task.
+it holds, with their counts. The table dies with the thread or task. A
+lower layer that finds a lock lost (the advisory session watcher) does not
+touch the holding: it calls :meth:`Holder.report_lost`, which runs the
+callback the holding's owner registered in ``holder.losses``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import secrets
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,10 @@ def worker() -> Worker:
     return _worker
 
 
+#: where a holder keeps one held key: (database alias, strategy family, key name)
+Slot = tuple[str, str, str]
+
+
 @dataclass(eq=False)
 class Holder:
     """A thread or an asyncio task that can hold locks."""
@@ -58,8 +66,19 @@ class Holder:
     kind: str  # "thread" or "task"
     label: str
     bits: str = field(default_factory=lambda: secrets.token_hex(8))
-    #: re-entrancy table: (alias, strategy family, name) -> holding object
-    holdings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    #: re-entrancy table: slot -> holding object (kept by the front object)
+    holdings: dict[Slot, Any] = field(default_factory=dict)
+    #: who hears that the database dropped the lock in a slot: registered by
+    #: the front object (or the leader election) when it takes the lock
+    losses: dict[Slot, Callable[[str], None]] = field(default_factory=dict)
+
+    def report_lost(self, slot: Slot, reason: str) -> bool:
+        """Tell whoever registered ``slot`` that its lock is lost; False if nobody did."""
+        report = self.losses.get(slot)
+        if report is None:
+            return False
+        report(reason)
+        return True
 
     def token(self, worker_bits: str | None = None) -> str:
         return f"{worker_bits or _worker.bits}-{self.bits}"
@@ -97,6 +116,26 @@ def current_holder() -> Holder:
         holder = Holder(kind="thread", label=threading.current_thread().name)
         _threads.holder = holder
     return holder
+
+
+def holder_alive() -> Callable[[], bool]:
+    """A cheap test of whether the calling thread or asyncio task still runs."""
+    task = current_task()
+    if task is not None:
+        task_ref = weakref.ref(task)
+
+        def task_alive() -> bool:
+            found = task_ref()
+            return found is not None and not found.done()
+
+        return task_alive
+    thread_ref = weakref.ref(threading.current_thread())
+
+    def thread_alive() -> bool:
+        found = thread_ref()
+        return found is not None and found.is_alive()
+
+    return thread_alive
 
 
 def _after_fork_in_child() -> None:

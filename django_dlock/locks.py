@@ -23,15 +23,12 @@ properties (``fence``, ``lost``, ``token``) answer for the calling holder.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import inspect
 import logging
 import math
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
@@ -43,8 +40,8 @@ from django.core.signals import setting_changed
 from django.db import connections
 from django.dispatch import receiver
 
-from django_dlock import metrics, signals
-from django_dlock._threads import close_thread_connections, start_db_thread
+from django_dlock import metrics, signals, two_phase
+from django_dlock._threads import close_thread_connections, to_the_end
 from django_dlock.conf import RetryInterval, conf, lock_alias
 from django_dlock.exceptions import (
     DLockError,
@@ -55,14 +52,13 @@ from django_dlock.exceptions import (
     LockTimeout,
     StrategyNotSupported,
 )
-from django_dlock.identity import Holder, current_holder, current_task
+from django_dlock.identity import Holder, current_holder, current_task, holder_alive
 from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
-from django_dlock.strategies import get_strategy, queue
-from django_dlock.strategies.advisory.pending import Pending, pending_capable
-from django_dlock.strategies.base import Abandoned, Grant, Request, Strategy, statement_deadline
-from django_dlock.strategies.lease import LeaseStrategy
+from django_dlock.strategies import get_strategy
+from django_dlock.strategies.base import Request, Strategy
+from django_dlock.strategies.deadline import Abandoned, statement_deadline
 from django_dlock.validation import (
     retry_interval_error,
     seconds_or_none,
@@ -170,26 +166,6 @@ def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
     return aliases
 
 
-def _holder_alive() -> Callable[[], bool]:
-    """A cheap test of whether the calling thread or asyncio task still runs."""
-    task = current_task()
-    if task is not None:
-        task_ref = weakref.ref(task)
-
-        def task_alive() -> bool:
-            found = task_ref()
-            return found is not None and not found.done()
-
-        return task_alive
-    thread_ref = weakref.ref(threading.current_thread())
-
-    def thread_alive() -> bool:
-        found = thread_ref()
-        return found is not None and found.is_alive()
-
-    return thread_alive
-
-
 def _off_the_loop(func: Callable[[], T]) -> T:
     """Run a query from sync code that may be running inside an event loop.
 
@@ -208,41 +184,6 @@ def _off_the_loop(func: Callable[[], T]) -> T:
 
     with ThreadPoolExecutor(1, thread_name_prefix="django-dlock-check") as pool:
         return pool.submit(run).result()
-
-
-async def _to_the_end(func: Callable[[], None], what: str) -> None:
-    """Run ``func`` in a worker thread, to the end even if the task is cancelled.
-
-    A release must not be dropped because the task was cancelled before the
-    worker thread started it (``asyncio.wait_for``, a client that went
-    away): then it runs in a thread of its own, and its errors are logged.
-    """
-    mutex = threading.Lock()
-    state = {"started": False, "cancelled": False}
-
-    def run() -> None:
-        with mutex:
-            if state["cancelled"]:
-                return
-            state["started"] = True
-        func()
-
-    try:
-        await sync_to_async(run)()
-    except asyncio.CancelledError:
-        with mutex:
-            state["cancelled"] = True
-            started = state["started"]
-        if not started:
-            start_db_thread(lambda: _run_logged(func, what), "django-dlock-release")
-        raise
-
-
-def _run_logged(func: Callable[[], None], what: str) -> None:
-    try:
-        func()
-    except Exception:
-        logger.exception("django-dlock: %s after a cancellation failed", what)
 
 
 #: the checked value of each default setting a lock uses, until settings change
@@ -350,22 +291,12 @@ def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
     holding: Holding | None = holder.holdings.get(slot)
     if holding is not None and holding.strategy.ended(holding.request):
         holder.holdings.pop(slot, None)
+        holder.losses.pop(slot, None)
         if holding.renewer is not None:
             with contextlib.suppress(BaseException):
                 holding.renewer.stop()
         return None
     return holding
-
-
-@dataclass
-class _Queued:
-    """A place taken by :meth:`Lock.enqueue` for ``keys[index]``: a lease ticket,
-    or a pending advisory lock."""
-
-    req: Request
-    index: int
-    ticket: int | None = None
-    pending: Pending | None = None
 
 
 class Lock:
@@ -413,6 +344,9 @@ class Lock:
     """
 
     namespace = "lock"
+
+    #: places taken by :meth:`enqueue`, by holder token (made on first use)
+    _queued_by_holder: dict[str, two_phase.Queued]
 
     def __init__(
         self,
@@ -722,6 +656,7 @@ class Lock:
         if previous is not None:  # lost, and now acquired afresh
             holding.shadowed = previous
         holder.holdings[slot] = holding
+        holder.losses[slot] = holding.mark_lost
         if self.renew:
             renewer = Renewer(
                 name=req.key.name,
@@ -730,7 +665,7 @@ class Lock:
                 max_hold=self.max_hold,
                 extend=functools.partial(self._renew, holding),
                 on_lost=self._renewal_lost(holding),
-                holder_alive=_holder_alive(),
+                holder_alive=holder_alive(),
             )
             holding.renewer = renewer
             renewer.start()
@@ -831,14 +766,14 @@ class Lock:
                         grant = None
                     if grant is None:
                         undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
-                        await _to_the_end(undo, f"giving back {self.name!r}")
+                        await to_the_end(undo, f"giving back {self.name!r}")
                         self._contended(key, deadline)
                         return False
                     self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
                 taken.append(key)
         except BaseException:
             undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
-            await _to_the_end(undo, f"giving back {self.name!r}")
+            await to_the_end(undo, f"giving back {self.name!r}")
             raise
         return True
 
@@ -875,8 +810,10 @@ class Lock:
         slot = (req.alias, holding.strategy.family, req.key.name)
         if holder.holdings.get(slot) is holding:
             del holder.holdings[slot]
+            holder.losses.pop(slot, None)
             if holding.shadowed is not None:
                 holder.holdings[slot] = holding.shadowed
+                holder.losses[slot] = holding.shadowed.mark_lost
         renewer_error: BaseException | None = None
         if holding.renewer is not None:
             try:
@@ -931,7 +868,7 @@ class Lock:
         if len(holdings) != len(self.keys):
             raise LockNotOwned(f"{self.name!r} is not held by this task")
         release = functools.partial(self._release_all, holder, holdings)
-        await _to_the_end(release, f"releasing {self.name!r}")
+        await to_the_end(release, f"releasing {self.name!r}")
 
     def _refuse_early_release(self) -> None:
         if _LEAVING.get() or not _traits(self.strategy_name)[1]:
@@ -1026,39 +963,7 @@ class Lock:
         holder = current_holder()
         return bool(await sync_to_async(self.owned)(holder))
 
-    # -- two-phase acquire: enqueue(), then wait() -----------------------------
-
-    def _two_phase_strategy(self, alias: str) -> Strategy:
-        strategy = self._strategy(alias)
-        if isinstance(strategy, LeaseStrategy):
-            return strategy
-        if pending_capable(strategy, connections[alias].vendor) is not None:
-            return strategy
-        raise StrategyNotSupported(
-            f"enqueue()/wait() need a strategy that keeps a place in a queue (lease, or "
-            f"advisory on PostgreSQL); {self.strategy_name!r} on {alias!r} cannot: "
-            "use acquire(timeout=...)"
-        )
-
-    def _queued_places(self) -> dict[str, _Queued]:
-        found: dict[str, _Queued] | None = getattr(self, "_queued_by_holder", None)
-        if found is None:
-            found = {}
-            self._queued_by_holder: dict[str, _Queued] = found
-        return found
-
-    def _enqueue_begin(self, holder: Holder) -> tuple[str, Strategy]:
-        self._check_options()
-        alias = self.alias
-        strategy = self._two_phase_strategy(alias)
-        if holder.token() in self._queued_places():
-            raise DLockError(f"{self.name!r} is already queued by this {holder.kind}: call wait()")
-        return alias, strategy
-
-    def _pending(self, holder: Holder, strategy: Strategy, req: Request) -> Pending:
-        impl = pending_capable(strategy, connections[req.alias].vendor)
-        assert impl is not None
-        return Pending(impl, req, holder)
+    # -- two-phase acquire: enqueue(), then wait() (see two_phase.py) ----------
 
     def enqueue(self) -> bool:
         """Join the queue and return at once: ``True`` if the lock is now held,
@@ -1071,59 +976,11 @@ class Lock:
         up to the first busy one, whose queue is joined; :meth:`wait` takes the
         rest in order. Other strategies: ``StrategyNotSupported``.
         """
-        holder = current_holder()
-        alias, strategy = self._enqueue_begin(holder)
-        for index, key in enumerate(self.keys):
-            if self._reenter(holder, alias, strategy, key):
-                continue
-            req = self._request(holder, alias, key)
-            sent_at = time.monotonic()
-            grant = strategy.acquire(req, Deadline(0.0), self.retry_interval)
-            if grant is None:
-                if isinstance(strategy, LeaseStrategy):
-                    ticket = queue.enqueue(req)
-                    queue.keeper.add(req, ticket, _holder_alive())
-                    queued = _Queued(req, index, ticket=ticket)
-                else:
-                    queued = _Queued(req, index, pending=self._pending(holder, strategy, req))
-                self._queued_places()[holder.token()] = queued
-                return False
-            self._held(holder, strategy, req, grant.fence, sent_at, 0.0)
-        return True
+        return two_phase.enqueue(self)
 
     async def aenqueue(self) -> bool:
         """Async :meth:`enqueue` (the place belongs to the calling task)."""
-        holder = current_holder()
-        alias, strategy = self._enqueue_begin(holder)
-        for index, key in enumerate(self.keys):
-            stale = self._stale(holder, alias, strategy, key)
-            if stale is not None:
-                await sync_to_async(self._renew_or_lose)(stale, self._lease_ttl())
-            if self._reenter(holder, alias, strategy, key):
-                continue
-            req = self._request(holder, alias, key)
-            sent_at = time.monotonic()
-            grant = await strategy.aacquire(req, Deadline(0.0), self.retry_interval)
-            if grant is None:
-                if isinstance(strategy, LeaseStrategy):
-                    ticket = await strategy.aenqueue(req)
-                    queue.keeper.add(req, ticket, _holder_alive())
-                    queued = _Queued(req, index, ticket=ticket)
-                else:
-                    queued = _Queued(req, index, pending=self._pending(holder, strategy, req))
-                self._queued_places()[holder.token()] = queued
-                return False
-            self._held(holder, strategy, req, grant.fence, sent_at, 0.0)
-        return True
-
-    def _wait_begin(self, holder: Holder, timeout: float | None) -> tuple[_Queued | None, Deadline]:
-        deadline = Deadline(self._resolve_timeout(True, timeout))
-        queued = self._queued_places().pop(holder.token(), None)
-        if queued is None and not self.owned(holder):
-            raise DLockError(f"{self.name!r}: wait() without enqueue() (or after it gave up)")
-        if queued is not None and queued.ticket is not None:
-            queue.keeper.remove(queued.ticket)
-        return queued, deadline
+        return await two_phase.aenqueue(self)
 
     def wait(self, timeout: float | None = UNSET) -> bool:
         """Block until the place taken by :meth:`enqueue` is granted (``True``)
@@ -1131,94 +988,11 @@ class Lock:
         taken by ``enqueue`` are released). A lease's TTL counts from the
         moment the lock is granted. ``True`` at once if ``enqueue`` acquired.
         """
-        holder = current_holder()
-        queued, deadline = self._wait_begin(holder, timeout)
-        if queued is None:
-            return True
-        req = queued.req
-        alias, strategy = req.alias, self._strategy(req.alias)
-        taken = list(self.keys[: queued.index])
-        try:
-            sent_at = time.monotonic()
-            if queued.pending is not None:
-                left = None if deadline.timeout is None else deadline.remaining()
-                grant = queued.pending.wait(left)
-            else:
-                assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
-                grant = strategy.wait_ticket(req, queued.ticket, deadline, self.retry_interval)
-            if grant is None:
-                self._undo(holder, alias, strategy, taken)
-                return False
-            self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-            taken.append(req.key)
-            for key in self.keys[queued.index + 1 :]:
-                if not self._reenter(holder, alias, strategy, key):
-                    req = self._request(holder, alias, key)
-                    sent_at = time.monotonic()
-                    grant = strategy.acquire(req, deadline, self.retry_interval)
-                    if grant is None:
-                        self._undo(holder, alias, strategy, taken)
-                        return False
-                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-                taken.append(key)
-        except BaseException:
-            if queued.pending is not None and req is queued.req:
-                queued.pending.give_up()
-            self._undo(holder, alias, strategy, taken)
-            raise
-        return True
-
-    async def _await_place(self, queued: _Queued, deadline: Deadline) -> Grant | None:
-        strategy = self._strategy(queued.req.alias)
-        pending = queued.pending
-        if pending is None:
-            assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
-            return await strategy.await_ticket(
-                queued.req, queued.ticket, deadline, self.retry_interval
-            )
-        left = None if deadline.timeout is None else deadline.remaining()
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), left)
-        except asyncio.TimeoutError:
-            await sync_to_async(pending.give_up, thread_sensitive=False)()
-            return None
-        except asyncio.CancelledError:
-            await asyncio.shield(sync_to_async(pending.give_up, thread_sensitive=False)())
-            raise
+        return two_phase.wait(self, timeout)
 
     async def await_lock(self, timeout: float | None = UNSET) -> bool:
         """Async :meth:`wait`. Cancelling it gives the place up and leaves no lock."""
-        holder = current_holder()
-        queued, deadline = await sync_to_async(self._wait_begin)(holder, timeout)
-        if queued is None:
-            return True
-        alias, strategy = queued.req.alias, self._strategy(queued.req.alias)
-        taken = list(self.keys[: queued.index])
-        try:
-            sent_at = time.monotonic()
-            grant = await self._await_place(queued, deadline)
-            if grant is not None:
-                req = queued.req
-                self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-                taken.append(req.key)
-                for key in self.keys[queued.index + 1 :]:
-                    if not self._reenter(holder, alias, strategy, key):
-                        req = self._request(holder, alias, key)
-                        sent_at = time.monotonic()
-                        grant = await strategy.aacquire(req, deadline, self.retry_interval)
-                        if grant is None:
-                            break
-                        self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-                    taken.append(key)
-            if grant is None:
-                undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
-                await _to_the_end(undo, f"giving back {self.name!r}")
-                return False
-        except BaseException:
-            undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
-            await _to_the_end(undo, f"giving back {self.name!r}")
-            raise
-        return True
+        return await two_phase.await_lock(self, timeout)
 
     # -- context managers ----------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import models
 
 from django_dlock.dbclock import DbNow
+from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE, WAITER_TABLE
 
 
 class LockQuerySet(models.QuerySet["Lock"]):
@@ -41,7 +42,7 @@ class Lock(models.Model):
     objects = LockQuerySet.as_manager()
 
     class Meta:
-        db_table = "django_dlock_lock"
+        db_table = LOCK_TABLE
         ordering = ["name"]
         verbose_name = "lock"
         verbose_name_plural = "locks"
@@ -63,7 +64,7 @@ class FenceFloor(models.Model):
     value = models.BigIntegerField(default=0)
 
     class Meta:
-        db_table = "django_dlock_fencefloor"
+        db_table = FENCE_FLOOR_TABLE
         verbose_name = "fence floor"
 
     def __str__(self) -> str:
@@ -92,7 +93,7 @@ class Waiter(models.Model):
     objects = models.Manager()
 
     class Meta:
-        db_table = "django_dlock_waiter"
+        db_table = WAITER_TABLE
         ordering = ["name", "id"]
         indexes = [models.Index(fields=["name", "id"], name="django_dlock_waiter_queue")]
         verbose_name = "waiter"

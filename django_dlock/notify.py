@@ -203,7 +203,7 @@ def _connect_like(alias: str) -> Callable[[], Any]:
     def connect() -> Any:
         import psycopg
 
-        from django_dlock.strategies.base import direct_alias
+        from django_dlock.strategies.connection import direct_alias
 
         wrapper = connections[direct_alias(alias)]
         params = wrapper.get_connection_params()

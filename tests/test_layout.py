@@ -93,3 +93,41 @@ def test_a_serial_thread_runs_calls_in_order_then_closes_its_connection():
     assert order == [0, 1, 2, 3, 4]
     assert exited.is_set()
     wait_until(lambda: _backend_gone(pids[0]))
+
+
+def test_lock_connection_and_pooler_deadline_names_stay_importable_from_strategies_base():
+    from django_dlock.strategies import base, connection, deadline
+
+    for name in (
+        "close_private_connections",
+        "cursor",
+        "direct_alias",
+        "execute",
+        "fetch_one",
+        "lock_connection",
+        "require_postgresql",
+        "uses_django_pool",
+        "with_reconnect",
+    ):
+        assert getattr(base, name) is getattr(connection, name)
+    for name in (
+        "Abandoned",
+        "STATEMENT_FLOOR",
+        "behind_pooler",
+        "guard_statements",
+        "statement_deadline",
+        "unwatched",
+    ):
+        assert getattr(base, name) is getattr(deadline, name)
+
+
+def test_the_models_and_the_sql_take_their_table_names_from_one_module():
+    from django_dlock import cleanup, models, tables
+    from django_dlock.strategies import fence, lease, queue, row
+
+    assert models.Lock._meta.db_table == tables.LOCK_TABLE
+    assert models.Waiter._meta.db_table == tables.WAITER_TABLE
+    assert models.FenceFloor._meta.db_table == tables.FENCE_FLOOR_TABLE
+    assert lease.TABLE == row.TABLE == queue.LOCKS == cleanup.TABLE == tables.LOCK_TABLE
+    assert lease.WAITERS == queue.WAITERS == cleanup.WAITERS == tables.WAITER_TABLE
+    assert f"nextval('{tables.FENCE_SEQUENCE}')" in fence.NEXT_FENCE

@@ -126,3 +126,23 @@ def test_worker_identity_and_holdings_are_renewed_after_fork():
         answer = os.read(read, 1)
         os.waitpid(pid, 0)
     assert answer == b"1"
+
+
+def test_a_loss_reported_through_the_holder_reaches_the_lock_that_holds_the_slot():
+    lost: list[Exception] = []
+    lk = dlock.lock("reported", on_lost=lost.append)
+    holder = identity.current_holder()
+    with pytest.raises(dlock.LockLost), lk:
+        (holding,) = lk._holdings()
+        slot = (lk.alias, "lease", "lock:reported")
+        assert holder.holdings[slot] is holding
+        assert holder.losses[slot] == holding.mark_lost
+        assert holder.report_lost(slot, "the session ended") is True
+        assert lk.lost
+    assert [str(e) for e in lost] == ["lock 'lock:reported' was lost: the session ended"]
+    # released: nobody hears that slot any more, and the key can be taken again
+    assert slot not in holder.losses and slot not in holder.holdings
+    assert holder.report_lost(slot, "too late") is False
+    with lk:
+        assert not lk.lost
+    assert len(lost) == 1

@@ -12,7 +12,9 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Request, _usable, statement_deadline
+from django_dlock.strategies.base import Request
+from django_dlock.strategies.connection import _usable
+from django_dlock.strategies.deadline import statement_deadline
 
 logger = logging.getLogger("django_dlock")
 
@@ -120,17 +122,6 @@ class _LeaseBackend:
 ADVISORY_TOKEN = "adv:"
 
 
-class _SessionWatch:
-    """Stands in the I/O thread's holdings so that the advisory session
-    watcher (:mod:`django_dlock.sessions`) can report the end of the session."""
-
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
-        self.on_lost = on_lost
-
-    def mark_lost(self, reason: str) -> None:
-        self.on_lost(reason)
-
-
 class _AdvisoryBackend:
     """Leadership is the election's session-level advisory lock (PostgreSQL).
 
@@ -172,8 +163,8 @@ class _AdvisoryBackend:
                 req.key.name,
             )
             return None
-        key = (req.alias, self.advisory.family, req.key.name)
-        current_holder().holdings[key] = _SessionWatch(self.on_lost)
+        # the advisory session watcher reports the end of the session here
+        current_holder().losses[(req.alias, self.advisory.family, req.key.name)] = self.on_lost
         return term
 
     def renew(self, req: Request) -> bool:
@@ -182,7 +173,7 @@ class _AdvisoryBackend:
     def release(self, req: Request) -> bool:
         from django_dlock.identity import current_holder
 
-        current_holder().holdings.pop((req.alias, self.advisory.family, req.key.name), None)
+        current_holder().losses.pop((req.alias, self.advisory.family, req.key.name), None)
         # The lock first: a standby woken by the row's NOTIFY must find it free.
         unlocked = self.advisory.release(req)
         released = self.lease.release(req)
@@ -207,7 +198,7 @@ class _AdvisoryBackend:
         just run the lock statement.
         """
         from django_dlock.strategies._pg import PG_LOCKS_MATCH, pg_locks_ids
-        from django_dlock.strategies.base import fetch_one, lock_connection
+        from django_dlock.strategies.connection import fetch_one, lock_connection
 
         if self.lease.seconds_left(req.alias, req.key) > 0:
             return

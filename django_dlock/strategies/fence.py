@@ -31,6 +31,8 @@ least the key's previous number + 1 where it keeps one).
 
 from __future__ import annotations
 
+from django_dlock.tables import FENCE_SEQUENCE
+
 #: bits below the timeline in a fencing number (numbers per timeline: 2**44)
 TIMELINE_SHIFT = 44
 
@@ -39,9 +41,9 @@ _TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(3
 #: a SQL expression (no parameters): the next fencing number
 NEXT_FENCE = (
     "(SELECT CASE WHEN n.v >= n.epoch THEN n.v "
-    "WHEN has_sequence_privilege('django_dlock_fence', 'UPDATE') "
-    "THEN setval('django_dlock_fence', n.epoch + n.v) "
+    f"WHEN has_sequence_privilege('{FENCE_SEQUENCE}', 'UPDATE') "
+    f"THEN setval('{FENCE_SEQUENCE}', n.epoch + n.v) "
     "ELSE n.epoch + n.v END "
-    "FROM (SELECT nextval('django_dlock_fence') AS v, "
+    f"FROM (SELECT nextval('{FENCE_SEQUENCE}') AS v, "
     f"({_TIMELINE} - 1) << {TIMELINE_SHIFT} AS epoch) AS n)"
 )

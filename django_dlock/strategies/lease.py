@@ -58,9 +58,8 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies import queue
-from django_dlock.strategies.base import (
-    Grant,
-    Request,
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import (
     close_private_connections,
     cursor,
     execute,
@@ -69,6 +68,7 @@ from django_dlock.strategies.base import (
     with_reconnect,
 )
 from django_dlock.strategies.fence import NEXT_FENCE
+from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE, WAITER_TABLE
 
 #: longest a PostgreSQL waiter parks between checks when it relies on NOTIFY
 MAX_PARK = 2.0
@@ -121,8 +121,8 @@ class Outage:
         self.error = error
 
 
-TABLE = "django_dlock_lock"
-WAITERS = queue.WAITERS
+TABLE = LOCK_TABLE
+WAITERS = WAITER_TABLE
 NOTIFY_CHANNEL = "django_dlock"
 
 # PostgreSQL acquire, with {new_fence} and {returning} filled per durability.
@@ -175,7 +175,7 @@ _PG_ACQUIRE_TICKET_SQL = {
 _SQLITE_ACQUIRE = f"""
 INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at)
 SELECT %s, %s, %s,
-       COALESCE((SELECT value FROM django_dlock_fencefloor WHERE id = 1), 0) + 1,
+       COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0) + 1,
        {{now}}, {{now_plus}}
 WHERE NOT EXISTS (
         SELECT 1 FROM {WAITERS} w WHERE w.name = %s AND w.expire_at > {{now}} AND w.id < %s)
@@ -213,7 +213,7 @@ _MYSQL_AHEAD = (
     f"SELECT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = %s "
     "AND w.expire_at > UTC_TIMESTAMP(6) AND w.id < %s)"
 )
-_MYSQL_FLOOR = "SELECT value FROM django_dlock_fencefloor WHERE id = 1 LOCK IN SHARE MODE"
+_MYSQL_FLOOR = f"SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1 LOCK IN SHARE MODE"
 _MYSQL_INSERT = (
     f"INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
     "VALUES (%s, %s, %s, %s, UTC_TIMESTAMP(6), "

@@ -65,13 +65,15 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock
-from django_dlock.strategies.base import Request, cursor, execute, fetch_one, with_reconnect
+from django_dlock.strategies.base import Request
+from django_dlock.strategies.connection import cursor, execute, fetch_one, with_reconnect
+from django_dlock.tables import LOCK_TABLE, WAITER_TABLE
 from django_dlock.validation import ticket_ttl_error
 
 logger = logging.getLogger("django_dlock")
 
-WAITERS = "django_dlock_waiter"
-LOCKS = "django_dlock_lock"
+WAITERS = WAITER_TABLE
+LOCKS = LOCK_TABLE
 CHANNEL = "django_dlock"
 #: payload prefix of a wake-up addressed to one ticket (lock names are namespaced)
 WAKE_PREFIX = "django-dlock-ticket:"

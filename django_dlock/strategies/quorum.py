@@ -58,7 +58,8 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import QuorumUnavailable, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
-from django_dlock.strategies.base import Grant, Request, execute
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import execute
 from django_dlock.strategies.lease import TABLE, lease
 
 __all__ = ["LiveRow", "QuorumLease", "quorum_aliases", "quorum_strategy"]

@@ -51,11 +51,13 @@ from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies._pg import MAX_LOCK_TIMEOUT_MS, lock_timeout_ms, sqlstate
-from django_dlock.strategies.base import Grant, Request, cursor, fetch_one, lock_connection
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import cursor, fetch_one, lock_connection
 from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.transactional import TransactionScoped
+from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE
 
-TABLE = "django_dlock_lock"
+TABLE = LOCK_TABLE
 
 _PG_TRY = f"""
 WITH l AS MATERIALIZED (SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
@@ -93,7 +95,7 @@ _MYSQL_RESET_WAIT = "SET SESSION innodb_lock_wait_timeout = @django_dlock_wait"
 # The fence of a new row starts at the fence floor, as the lease strategy's do.
 _MYSQL_CREATE = (
     f"INSERT IGNORE INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
-    "SELECT %s, '', '', COALESCE((SELECT value FROM django_dlock_fencefloor WHERE id = 1), 0), "
+    f"SELECT %s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0), "
     f"NULL, UTC_TIMESTAMP(6) FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)"
 )
 #: innodb_lock_wait_timeout's maximum: "forever"

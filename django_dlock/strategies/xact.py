@@ -31,13 +31,8 @@ from django_dlock.strategies._pg import (
     pg_locks_ids,
     sqlstate,
 )
-from django_dlock.strategies.base import (
-    Grant,
-    Request,
-    fetch_one,
-    lock_connection,
-    require_postgresql,
-)
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import fetch_one, lock_connection, require_postgresql
 from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.transactional import TransactionScoped
 

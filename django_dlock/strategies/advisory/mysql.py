@@ -56,7 +56,8 @@ from django_dlock.strategies.advisory.session import (
     WaitCancelled,
 )
 from django_dlock.strategies.advisory.watcher import ensure_watcher
-from django_dlock.strategies.base import Grant, Request, fetch_one, lock_connection
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import fetch_one, lock_connection
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder

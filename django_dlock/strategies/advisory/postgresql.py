@@ -70,14 +70,10 @@ from django_dlock.strategies.advisory.session import (
     WaitCancelled,
 )
 from django_dlock.strategies.advisory.watcher import ensure_watcher
-from django_dlock.strategies.base import (
-    Grant,
-    Request,
-    fetch_one,
-    lock_connection,
-    require_postgresql,
-)
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import fetch_one, lock_connection, require_postgresql
 from django_dlock.strategies.fence import NEXT_FENCE
+from django_dlock.tables import FENCE_SEQUENCE
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -160,7 +156,7 @@ def _sql(req: Request, fenced: bool = False) -> _Statements:
 def _failed(req: Request, exc: Exception) -> DLockError:
     if isinstance(exc, psycopg.errors.UndefinedTable):
         return DLockError(
-            "the django_dlock_fence sequence is missing on database "
+            f"the {FENCE_SEQUENCE} sequence is missing on database "
             f"{req.alias!r}: run `python manage.py migrate django_dlock`"
         )
     return DLockError(f"the advisory lock statement for {req.key.name!r} failed: {exc}")

@@ -35,8 +35,9 @@ So the ``advisory`` strategy never uses Django's connections:
   seconds) polls the sockets of idle holding sessions. A socket that becomes
   readable while no statement runs means the server ended the session
   (``pg_terminate_backend``, a restart, a network cut): the session is
-  closed and every lock it held is reported lost at once
-  (``Holding.mark_lost``: ``lock_lost`` signal, ``on_lost`` callback).
+  closed and every lock it held is reported lost at once, through the
+  callback the holder's lock registered (``Holder.report_lost``: the
+  ``lock_lost`` signal and the ``on_lost`` callback of a ``Lock``).
 * A holder that disappears (its thread ends, its task is garbage collected)
   while still holding locks has its session closed, which frees the locks.
 * After ``fork`` a child starts with empty pools; inherited connections are
@@ -297,11 +298,9 @@ class Session:
             return
         reason = self.lost or "the database session ended"
         for name in names:
-            holding = holder.holdings.get((self.alias, self.family, name))
-            if holding is None:
-                continue
             try:
-                holding.mark_lost(reason)  # lock_lost signal, on_lost callback
+                # the front object's callback: lock_lost signal, on_lost callback
+                holder.report_lost((self.alias, self.family, name), reason)
             except Exception:  # a signal receiver raised: the others still hear
                 logger.exception("django-dlock: reporting the loss of %s failed", name)
 
