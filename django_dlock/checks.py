@@ -373,11 +373,21 @@ def middleware_messages() -> list[CheckMessage]:
 
 @register(Tags.compatibility)
 def check_quorums(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E060, E061, W060: the quorums in use (``using=[...]``, ``DLOCK_QUORUMS``).
+    """dlock.E060, W060: the quorums in use (``using=[...]``, ``DLOCK_QUORUMS``)."""
+    from django_dlock.strategies.quorum import quorum_problems
 
-    E061 (the lock table is missing on a database of a quorum) connects, so
-    it runs only with ``check --database``.
+    return quorum_problems([])
+
+
+@register(Tags.database)
+def check_quorum_tables(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E061: a database of a quorum has no lock table.
+
+    It connects, so it is a database check: Django runs it only for the
+    databases named with ``check --database`` (Django 6 hands every alias to
+    the other checks).
     """
     from django_dlock.strategies.quorum import quorum_problems
 
-    return quorum_problems(kwargs.get("databases") or [])
+    found = quorum_problems(kwargs.get("databases") or [])
+    return [message for message in found if message.id == "dlock.E061"]

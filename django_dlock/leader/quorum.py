@@ -18,6 +18,7 @@ nothing: the majority that remains renews.
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from typing import Any
 
 from django.utils import timezone
@@ -57,18 +58,26 @@ class QuorumBackend:
         return self._record(rows, lease)
 
     def _record(self, rows: dict[str, LiveRow | None], lease: float) -> LeaderRecord | None:
-        """The owner whose lease is live on a majority, with its term (its largest fence)."""
+        """The owner whose lease is live on a majority, with its term.
+
+        The term is the fence a majority of its rows carry (the number the
+        quorum granted, see :class:`QuorumLease`): a database that answered
+        a round late may carry another number, which is not the term.
+        """
         by_owner: dict[str, list[LiveRow]] = {}
         for row in rows.values():
             if row is not None:
                 by_owner.setdefault(row.owner, []).append(row)
         for owner, held in by_owner.items():
             if len(held) >= self.quorum.need:
-                top = max(held, key=lambda row: row.fence)
+                counts = Counter(row.fence for row in held)
+                granted = [fence for fence, n in counts.items() if n >= self.quorum.need]
+                term = max(granted) if granted else max(counts)
+                top = next(row for row in held if row.fence == term)
                 expires = max(_aware(row.expires) for row in held)
                 return LeaderRecord(
                     identity=owner,
-                    term=top.fence,
+                    term=term,
                     since=_aware(top.since) if top.since is not None else None,
                     renewed=expires - dt.timedelta(seconds=lease),
                     expires=expires,
