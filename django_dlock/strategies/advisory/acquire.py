@@ -95,6 +95,13 @@ class SessionAsyncAcquire:
     def release(self, req: Request) -> bool:
         raise NotImplementedError
 
+    def owned(self, req: Request) -> bool:
+        raise NotImplementedError
+
+    def extend(self, req: Request, ttl: float) -> bool:
+        """Nothing to extend: a session lock has no lease. True while it is held."""
+        return self.owned(req)
+
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:

@@ -282,10 +282,6 @@ class MySQLAdvisoryStrategy(SessionAsyncAcquire):
         session.pool.done(session)
         return released
 
-    def extend(self, req: Request, ttl: float) -> bool:
-        """Nothing to extend: a user lock has no lease. True while it is held."""
-        return self.owned(req)
-
     def owned(self, req: Request) -> bool:
         session = self._session(req)
         if session is None or session.lost is not None:

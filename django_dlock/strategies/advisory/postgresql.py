@@ -293,10 +293,6 @@ class AdvisoryStrategy(SessionAsyncAcquire):
         session.pool.done(session)
         return unlocked
 
-    def extend(self, req: Request, ttl: float) -> bool:
-        """Nothing to extend: an advisory lock has no lease. True while it is held."""
-        return self.owned(req)
-
     def owned(self, req: Request) -> bool:
         session = find_session(req.alias, req.token)
         if session is None or session.lost is not None or req.key.name not in session.held:
