@@ -53,6 +53,7 @@ from django.db import IntegrityError, InterfaceError, OperationalError, connecti
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock, notify
+from django_dlock._threads import start_db_thread
 from django_dlock.conf import RetryInterval, conf
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
@@ -99,19 +100,6 @@ class _Place:
 
     ticket: int
     renewed: float = field(default_factory=time.monotonic)
-
-
-def _in_thread(func: Callable[..., Any], *args: Any) -> None:
-    """Run ``func(*args)`` in a daemon thread that closes its connections at the end."""
-
-    def run() -> None:
-        try:
-            func(*args)
-        finally:
-            connections.close_all()
-            close_private_connections()
-
-    threading.Thread(target=run, name="django-dlock-give-back", daemon=True).start()
 
 
 class Outage:
@@ -349,7 +337,10 @@ class LeaseStrategy:
 
             def done(finished: asyncio.Future[int]) -> None:
                 if not finished.cancelled() and finished.exception() is None:
-                    _in_thread(queue.leave, req.alias, finished.result())
+                    start_db_thread(
+                        functools.partial(queue.leave, req.alias, finished.result()),
+                        "django-dlock-give-back",
+                    )
 
             task.add_done_callback(done)
             raise
