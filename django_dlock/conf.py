@@ -12,6 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from django_dlock.exceptions import StrategyNotSupported
 
 # The validators moved to django_dlock.validation; importing them from here
 # keeps working.
@@ -33,6 +37,7 @@ __all__ = [
     "RetryInterval",
     "Settings",
     "bool_error",
+    "checked",
     "conf",
     "direct_databases_error",
     "lock_alias",
@@ -114,6 +119,48 @@ class Settings:
 
 
 conf = Settings()
+
+
+#: the checks a lock's defaults pass when read, and the error a bad value raises
+_DEFAULT_CHECKS: dict[str, tuple[Callable[[Any], str | None], type[Exception]]] = {
+    "DLOCK_DEFAULT_STRATEGY": (strategy_error, StrategyNotSupported),
+    "DLOCK_DEFAULT_TTL": (ttl_error, ValueError),
+    "DLOCK_DEFAULT_TIMEOUT": (timeout_error, ValueError),
+    "DLOCK_RETRY_INTERVAL": (retry_interval_error, ValueError),
+}
+
+#: the checked value of each default a lock reads, until settings change
+_CHECKED: dict[str, Any] = {}
+
+
+def checked(setting: str) -> Any:
+    """The value of a lock default (``DLOCK_DEFAULT_*``, ``DLOCK_RETRY_INTERVAL``), checked.
+
+    A bad value raises a named error (``ValueError``, ``StrategyNotSupported``)
+    before any SQL. Read when a lock is used, never when it is created, and
+    remembered until a ``setting_changed`` signal (``override_settings``)
+    says otherwise, so that the hot path does not re-read and re-check the
+    settings on every call.
+    """
+    try:
+        return _CHECKED[setting]
+    except KeyError:
+        pass
+    value = conf._get(setting)
+    check, error = _DEFAULT_CHECKS[setting]
+    problem = check(value)
+    if problem is not None:
+        raise error(f"the {setting} setting: {problem}")
+    if setting in ("DLOCK_DEFAULT_TTL", "DLOCK_DEFAULT_TIMEOUT") and value is not None:
+        value = float(value)
+    _CHECKED[setting] = value
+    return value
+
+
+@receiver(setting_changed)
+def _forget_checked(setting: str, **kwargs: Any) -> None:
+    if setting in _DEFAULT_CHECKS:
+        _CHECKED.clear()
 
 
 def lock_alias(using: str | None = None) -> str:

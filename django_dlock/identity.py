@@ -27,7 +27,10 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from django_dlock.holdings import Holding
 
 
 @dataclass
@@ -66,8 +69,8 @@ class Holder:
     kind: str  # "thread" or "task"
     label: str
     bits: str = field(default_factory=lambda: secrets.token_hex(8))
-    #: re-entrancy table: slot -> holding object (kept by the front object)
-    holdings: dict[Slot, Any] = field(default_factory=dict)
+    #: re-entrancy table: slot -> what is held there (see :mod:`django_dlock.holdings`)
+    holdings: dict[Slot, Holding] = field(default_factory=dict)
     #: who hears that the database dropped the lock in a slot: registered by
     #: the front object (or the leader election) when it takes the lock
     losses: dict[Slot, Callable[[str], None]] = field(default_factory=dict)

@@ -27,22 +27,17 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
-import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 from asgiref.sync import sync_to_async
-from django.core.signals import setting_changed
 from django.db import connections
-from django.dispatch import receiver
 
-from django_dlock import metrics, signals, two_phase
-from django_dlock._threads import close_thread_connections, to_the_end
-from django_dlock.conf import RetryInterval, conf, lock_alias
+from django_dlock import holdings, metrics, signals, two_phase
+from django_dlock._threads import to_the_end
+from django_dlock.acquiring import Attempt
+from django_dlock.conf import RetryInterval, checked, conf, lock_alias
 from django_dlock.exceptions import (
     DLockError,
     InvalidLockKey,
@@ -52,13 +47,12 @@ from django_dlock.exceptions import (
     LockTimeout,
     StrategyNotSupported,
 )
-from django_dlock.identity import Holder, current_holder, current_task, holder_alive
+from django_dlock.holdings import Holding, Renewal
+from django_dlock.identity import Holder, Slot, current_holder
 from django_dlock.keys import Key, LockKey, make_key
-from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
-from django_dlock.strategies import get_strategy
+from django_dlock.strategies import get_strategy, supported, traits
 from django_dlock.strategies.base import Request, Strategy
-from django_dlock.strategies.deadline import Abandoned, statement_deadline
 from django_dlock.validation import (
     retry_interval_error,
     seconds_or_none,
@@ -84,74 +78,33 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
-@dataclass(eq=False)
-class Holding:
-    """One key held by one holder: the re-entrancy count and what we know."""
+class _FromSetting(Generic[T]):
+    """A lock option: the value given to :class:`Lock`, else its setting's (checked when read).
 
-    request: Request
-    strategy: Strategy
-    fence: int | None
-    acquired_at: float = field(default_factory=time.monotonic)
-    count: int = 1
-    lost: bool = False
-    lost_reason: str = ""
-    renewer: Renewer | None = None
-    on_lost: Callable[[LockLost], None] | None = None
-    #: monotonic time before which the lease surely has not run out on the
-    #: database clock (``inf`` for strategies without a lease)
-    valid_until: float = math.inf
-    #: the lost holding this one replaced (re-acquired after the loss): it
-    #: comes back when this one is released, so its own levels raise LockLost
-    shadowed: Holding | None = None
+    The given value lives in the instance attribute ``_<option>_arg``;
+    ``unset`` is the value that means "not given".
+    """
 
-    @property
-    def name(self) -> str:
-        return self.request.key.name
+    def __init__(self, setting: str, unset: Any = None) -> None:
+        self.setting = setting
+        self.unset = unset
+        self.attr = ""
 
-    def may_have_expired(self) -> bool:
-        """Whether the lease may have run out (then only the database knows)."""
-        return time.monotonic() >= self.valid_until
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.attr = f"_{name}_arg"
 
-    def renewed(self, sent_at: float, ttl: float) -> None:
-        """The lease was set to ``ttl`` seconds by a statement sent at ``sent_at``.
+    @overload
+    def __get__(self, lk: None, owner: type[Any]) -> _FromSetting[T]: ...
 
-        The database stamped the new expiry at or after ``sent_at``, so the
-        lease lasts at least until ``sent_at + ttl`` on our monotonic clock.
-        """
-        if self.valid_until != math.inf:
-            self.valid_until = sent_at + ttl
+    @overload
+    def __get__(self, lk: Lock, owner: type[Any]) -> T: ...
 
-    def loss_reason(self, default: str) -> str:
-        """Why the database no longer has this holding, as the strategy can tell."""
-        explain = getattr(self.strategy, "loss_reason", None)
-        if explain is None:
-            return default
-        try:
-            reason: str = explain(self.request)
-        except Exception as exc:
-            return f"{default} (could not read why: {exc})"
-        return reason
-
-    def halt_renewal(self) -> None:
-        if self.renewer is not None:
-            self.renewer.halt()
-
-    def error(self) -> LockLost:
-        return LockLost(f"lock {self.name!r} was lost: {self.lost_reason}")
-
-    def mark_lost(self, reason: str) -> None:
-        """Record the loss once: log, send ``lock_lost``, call ``on_lost``."""
-        if self.lost:
-            return
-        self.lost = True
-        self.lost_reason = reason
-        logger.warning("django-dlock: lost %s: %s", self.name, reason)
-        signals.lock_lost.send(Lock, name=self.name, strategy=self.strategy.name, reason=reason)
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self.error())
-            except Exception:
-                logger.exception("django-dlock: on_lost callback of %s raised", self.name)
+    def __get__(self, lk: Lock | None, owner: type[Any]) -> T | _FromSetting[T]:
+        if lk is None:
+            return self
+        given = lk.__dict__[self.attr]
+        value: T = checked(self.setting) if given is self.unset else given
+        return value
 
 
 def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
@@ -166,137 +119,8 @@ def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
     return aliases
 
 
-def _off_the_loop(func: Callable[[], T]) -> T:
-    """Run a query from sync code that may be running inside an event loop.
-
-    ``held()`` and ``owned()`` are synchronous; called from a coroutine they
-    must not query on the event loop's thread (Django forbids it), so the
-    query runs in a short-lived thread that closes its connections.
-    """
-    if current_task() is None:
-        return func()
-
-    def run() -> T:
-        try:
-            return func()
-        finally:
-            close_thread_connections()
-
-    with ThreadPoolExecutor(1, thread_name_prefix="django-dlock-check") as pool:
-        return pool.submit(run).result()
-
-
-#: the checked value of each default setting a lock uses, until settings change
-_DEFAULTS: dict[str, Any] = {}
-
-_DEFAULT_CHECKS: dict[str, tuple[Callable[[Any], str | None], type[Exception]]] = {
-    "DLOCK_DEFAULT_STRATEGY": (strategy_error, StrategyNotSupported),
-    "DLOCK_DEFAULT_TTL": (ttl_error, ValueError),
-    "DLOCK_DEFAULT_TIMEOUT": (timeout_error, ValueError),
-    "DLOCK_RETRY_INTERVAL": (retry_interval_error, ValueError),
-}
-
-
-def _default(setting: str) -> Any:
-    """The setting's value, checked (a named error if it is bad).
-
-    Read when a lock is used, never when it is created, and remembered until
-    a ``setting_changed`` signal (``override_settings``) says otherwise, so
-    that the hot path does not re-read and re-check four settings per call.
-    """
-    try:
-        return _DEFAULTS[setting]
-    except KeyError:
-        pass
-    value = conf._get(setting)
-    check, error = _DEFAULT_CHECKS[setting]
-    problem = check(value)
-    if problem is not None:
-        raise error(f"the {setting} setting: {problem}")
-    if setting in ("DLOCK_DEFAULT_TTL", "DLOCK_DEFAULT_TIMEOUT") and value is not None:
-        value = float(value)
-    _DEFAULTS[setting] = value
-    return value
-
-
-#: (strategy name, alias, ENGINE) -> the strategy, its support for that database checked
-_SUPPORTED: dict[tuple[str, str, Any], Strategy] = {}
-
-
-def _supported(name: str, alias: str) -> Strategy:
-    """The strategy ``name`` on ``alias``, checked once per database engine.
-
-    A strategy with one implementation per database (``advisory``: PostgreSQL
-    or MySQL/MariaDB) resolves to the one for ``alias``, so that acquire and
-    release do not look it up again. A strategy the database cannot do raises
-    :class:`StrategyNotSupported` at every call (nothing is remembered).
-    """
-    database = connections.settings.get(alias)
-    slot = (name, alias, None if database is None else database.get("ENGINE"))
-    found = _SUPPORTED.get(slot)
-    if found is None:
-        found = get_strategy(name)
-        found.check_supported(connections[alias])
-        implementation = getattr(found, "implementation", None)
-        if implementation is not None:
-            found = implementation(alias)
-        _SUPPORTED[slot] = found
-    return found
-
-
-def _traits(name: str) -> tuple[str, bool]:
-    """The family of the strategy called ``name``, and whether it is transaction-scoped."""
-    found = _TRAITS.get(name)
-    if found is None:
-        strategy = get_strategy(name)
-        scoped = strategy.transaction_scoped
-        found = _TRAITS[name] = (strategy.family, scoped)
-    return found
-
-
-_TRAITS: dict[str, tuple[str, bool]] = {}
-
-
-def _lock_model() -> type[Any]:
-    """The ``Lock`` model, imported on first use (this module loads before the apps)."""
-    global _LOCK_MODEL
-    if _LOCK_MODEL is None:
-        from django_dlock.models import Lock as LockModel
-
-        _LOCK_MODEL = LockModel
-    return _LOCK_MODEL
-
-
-_LOCK_MODEL: type[Any] | None = None
-
-
-@receiver(setting_changed)
-def _forget_defaults(setting: str, **kwargs: Any) -> None:
-    if setting in _DEFAULT_CHECKS:
-        _DEFAULTS.clear()
-    if setting == "DATABASES":
-        _SUPPORTED.clear()
-
-
 #: set while a ``with`` block or a decorated function is being left
 _LEAVING: ContextVar[bool] = ContextVar("django_dlock_leaving", default=False)
-
-
-def _current(holder: Holder, slot: tuple[str, str, str]) -> Holding | None:
-    """The holder's holding in ``slot``, forgetting one whose transaction has ended.
-
-    Transaction-scoped strategies (``row``, ``advisory_xact``) say with
-    ``ended(request)`` (no query) when the database has dropped the lock.
-    """
-    holding: Holding | None = holder.holdings.get(slot)
-    if holding is not None and holding.strategy.ended(holding.request):
-        holder.holdings.pop(slot, None)
-        holder.losses.pop(slot, None)
-        if holding.renewer is not None:
-            with contextlib.suppress(BaseException):
-                holding.renewer.stop()
-        return None
-    return holding
 
 
 class Lock:
@@ -374,7 +198,7 @@ class Lock:
             problem = strategy_error(strategy)
             if problem is not None:
                 raise StrategyNotSupported(problem)
-        self._strategy_arg = strategy
+        self._strategy_name_arg = strategy
         if ttl is not None:
             validated(ttl_error(ttl))
         self._ttl_arg = None if ttl is None else float(ttl)
@@ -383,7 +207,7 @@ class Lock:
         self._timeout_arg = timeout
         if retry_interval is not None:
             validated(retry_interval_error(retry_interval))
-        self._retry_arg = retry_interval
+        self._retry_interval_arg = retry_interval
         self.max_hold = seconds_or_none(max_hold, "max_hold", allow_zero=False)
         if on_fail not in ("raise", "skip"):
             raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
@@ -400,43 +224,23 @@ class Lock:
 
     # -- options that default to settings (read and checked at use) ---------
 
+    #: the strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)
+    strategy_name = _FromSetting[str]("DLOCK_DEFAULT_STRATEGY")
+    #: how long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)
+    timeout = _FromSetting[float | None]("DLOCK_DEFAULT_TIMEOUT", unset=UNSET)
+    #: the waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)
+    retry_interval = _FromSetting[RetryInterval]("DLOCK_RETRY_INTERVAL")
+
     @property
-    def strategy_name(self) -> str:
-        """The strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)."""
-        if self._strategy_arg is not None:
-            return self._strategy_arg
-        value: str = _default("DLOCK_DEFAULT_STRATEGY")
+    def ttl(self) -> float:
+        """The lease length in seconds (``DLOCK_DEFAULT_TTL`` unless given)."""
+        value: float = checked("DLOCK_DEFAULT_TTL") if self._ttl_arg is None else self._ttl_arg
         return value
 
     @property
     def queues_waiters(self) -> bool:
         """Whether its waiters take tickets in the lease queue (``lease`` on one database)."""
         return self._quorum is None and self.strategy_name == "lease"
-
-    @property
-    def ttl(self) -> float:
-        """The lease length in seconds (``DLOCK_DEFAULT_TTL`` unless given)."""
-        if self._ttl_arg is not None:
-            return self._ttl_arg
-        value: float = _default("DLOCK_DEFAULT_TTL")
-        return value
-
-    @property
-    def timeout(self) -> float | None:
-        """How long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)."""
-        if self._timeout_arg is not UNSET:
-            given: float | None = self._timeout_arg
-            return given
-        value: float | None = _default("DLOCK_DEFAULT_TIMEOUT")
-        return value
-
-    @property
-    def retry_interval(self) -> RetryInterval:
-        """The waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)."""
-        if self._retry_arg is not None:
-            return self._retry_arg
-        value: RetryInterval = _default("DLOCK_RETRY_INTERVAL")
-        return value
 
     def _check_options(self) -> None:
         """Read and check every option that comes from settings (before any SQL)."""
@@ -477,7 +281,7 @@ class Lock:
             strategy = self._chosen()
             strategy.check_supported(connections[alias])
             return strategy
-        return _supported(self.strategy_name, alias)
+        return supported(self.strategy_name, alias)
 
     def _chosen(self) -> Strategy:
         """The strategy by name, or its quorum over the databases of ``using=[...]``."""
@@ -495,10 +299,10 @@ class Lock:
         if self._quorum is not None:
             family = self._chosen().family
         else:
-            family = _traits(self.strategy_name)[0]
+            family = traits(self.strategy_name)[0]
         found = []
         for key in self.keys:
-            holding = _current(holder, (alias, family, key.name))
+            holding = holdings.current(holder, (alias, family, key.name))
             if holding is not None:
                 found.append(holding)
         return found
@@ -551,29 +355,8 @@ class Lock:
             return False
         for holding in held:
             if not holding.lost and holding.may_have_expired():
-                self._confirm(holding, off_loop=off_loop)
+                holdings.confirm(holding, off_loop=off_loop)
         return not any(h.lost for h in held)
-
-    def _confirm(self, holding: Holding, off_loop: bool = True) -> bool:
-        """Ask the database whether ``holding`` is still ours; mark it lost if not."""
-        started = time.monotonic()
-        req = holding.request
-
-        def ask() -> str | None:
-            """``None`` if still ours, else why not (both read on the same thread)."""
-            if holding.strategy.owned(req):
-                return None
-            return holding.loss_reason("the database no longer has it")
-
-        reason = _off_the_loop(ask) if off_loop else ask()
-        if reason is not None:
-            holding.mark_lost(reason)
-            return False
-        if holding.valid_until != math.inf:
-            # Still ours: it runs until at least its expiry, which we do not
-            # know; look again at the next question.
-            holding.valid_until = started
-        return True
 
     # -- acquire ---------------------------------------------------------------
 
@@ -585,46 +368,31 @@ class Lock:
         validated(timeout_error(timeout))
         return timeout
 
-    def _reenter(self, holder: Holder, alias: str, strategy: Strategy, key: Key) -> bool:
-        """Count a re-entry if the holder still holds ``key``.
+    def _reenter(self, holder: Holder, slot: Slot) -> bool:
+        """Count a re-entry if the holder still holds the key in ``slot``.
 
-        The database decides: when the lease may have run out, one statement
-        renews it if it is still ours. A holding that is lost is not
-        re-entered: the caller contends afresh (``False``).
+        A holding that is lost is not re-entered: the caller contends afresh
+        (``False``). (A lease that may have run out was renewed, or found
+        lost, just before: see :class:`~django_dlock.acquiring.Attempt`.)
         """
-        holding = _current(holder, (alias, strategy.family, key.name))
+        holding = holdings.current(holder, slot)
         if holding is None:
             return False
-        if not holding.lost and holding.may_have_expired():
-            self._renew_or_lose(holding, self._lease_ttl())
         if holding.lost:
             holding.halt_renewal()
             return False
+        name = slot[2]
         if not self.reentrant:
             raise LockReentrantError(
-                f"{key.name!r} is already held by this {holder.kind} and reentrant=False"
+                f"{name!r} is already held by this {holder.kind} and reentrant=False"
             )
         if holding.request.shared and not self.shared:
             raise LockReentrantError(
-                f"{key.name!r} is held shared by this {holder.kind}: it cannot be "
+                f"{name!r} is held shared by this {holder.kind}: it cannot be "
                 "re-entered exclusively (release the shared lock first)"
             )
         holding.count += 1
         return True
-
-    @staticmethod
-    def _stale(holder: Holder, alias: str, strategy: Strategy, key: Key) -> Holding | None:
-        """The holder's holding of ``key`` if its lease may have run out."""
-        holding = _current(holder, (alias, strategy.family, key.name))
-        if holding is None or holding.lost or not holding.may_have_expired():
-            return None
-        return holding
-
-    @staticmethod
-    def _renew_or_lose(holding: Holding, ttl: float) -> None:
-        """One statement: renew the lease if it is still ours, else record the loss."""
-        if not Lock._renew(holding, ttl):
-            holding.mark_lost(holding.loss_reason("the lease ran out before re-entry"))
 
     def _lease_ttl(self) -> float:
         return self.ttl if self.max_hold is None else min(self.ttl, self.max_hold)
@@ -648,51 +416,18 @@ class Lock:
         sent_at: float,
         wait: float,
     ) -> Holding:
-        slot = (req.alias, strategy.family, req.key.name)
-        holding = Holding(request=req, strategy=strategy, fence=fence, on_lost=self.on_lost)
-        if strategy.name == "lease":
-            holding.valid_until = sent_at + req.ttl
-        previous = holder.holdings.get(slot)
-        if previous is not None:  # lost, and now acquired afresh
-            holding.shadowed = previous
-        holder.holdings[slot] = holding
-        holder.losses[slot] = holding.mark_lost
-        if self.renew:
-            renewer = Renewer(
-                name=req.key.name,
-                alias=req.alias,
-                ttl=self.ttl,
-                max_hold=self.max_hold,
-                extend=functools.partial(self._renew, holding),
-                on_lost=self._renewal_lost(holding),
-                holder_alive=holder_alive(),
-            )
-            holding.renewer = renewer
-            renewer.start()
-        logger.debug("django-dlock: acquired %s (fence %s) after %.3fs", req.key.name, fence, wait)
-        if signals.lock_acquired.receivers:
-            signals.lock_acquired.send(
-                Lock, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
-            )
-        return holding
-
-    @staticmethod
-    def _renew(holding: Holding, ttl: float) -> bool:
-        """One statement: move the lease if it is still ours (and note until when)."""
-        sent_at = time.monotonic()
-        if holding.strategy.extend(holding.request, ttl):
-            holding.renewed(sent_at, ttl)
-            return True
-        return False
-
-    @staticmethod
-    def _renewal_lost(holding: Holding) -> Callable[[str], None]:
-        def lost(reason: str) -> None:
-            if reason == Renewer.REFUSED:
-                reason = holding.loss_reason("the renewal was refused")
-            holding.mark_lost(reason)
-
-        return lost
+        renewal = Renewal(self.ttl, self.max_hold) if self.renew else None
+        return holdings.take(
+            holder,
+            strategy,
+            req,
+            fence,
+            sent_at=sent_at,
+            wait=wait,
+            sender=Lock,
+            on_lost=self.on_lost,
+            renewal=renewal,
+        )
 
     def acquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Acquire the lock; ``True`` if acquired, ``False`` on timeout.
@@ -710,30 +445,12 @@ class Lock:
         return self._acquire(deadline)
 
     def _acquire(self, deadline: Deadline) -> bool:
-        holder = current_holder()
         alias = self.alias
-        strategy = self._strategy(alias)
-        taken: list[Key] = []
-        try:
-            for key in self.keys:
-                if not self._reenter(holder, alias, strategy, key):
-                    req = self._request(holder, alias, key)
-                    sent_at = time.monotonic()
-                    try:
-                        with statement_deadline(deadline, alias):
-                            grant = strategy.acquire(req, deadline, self.retry_interval)
-                    except Abandoned:  # waited past the deadline for a pooler
-                        grant = None
-                    if grant is None:
-                        self._undo(holder, alias, strategy, taken)
-                        self._contended(key, deadline)
-                        return False
-                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-                taken.append(key)
-        except BaseException:
-            self._undo(holder, alias, strategy, taken)
-            raise
-        return True
+        attempt = Attempt(self, current_holder(), alias, self._strategy(alias), deadline)
+        busy = attempt.run(self.keys)
+        if busy is not None:
+            self._contended(busy.key, deadline)
+        return busy is None
 
     async def aacquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Async :meth:`acquire`: waits without blocking the event loop.
@@ -747,35 +464,12 @@ class Lock:
         return await self._aacquire(deadline)
 
     async def _aacquire(self, deadline: Deadline) -> bool:
-        holder = current_holder()
         alias = self.alias
-        strategy = self._strategy(alias)
-        taken: list[Key] = []
-        try:
-            for key in self.keys:
-                stale = self._stale(holder, alias, strategy, key)
-                if stale is not None:  # the lease may have run out: ask, off the loop
-                    await sync_to_async(self._renew_or_lose)(stale, self._lease_ttl())
-                if not self._reenter(holder, alias, strategy, key):
-                    req = self._request(holder, alias, key)
-                    sent_at = time.monotonic()
-                    try:
-                        with statement_deadline(deadline, alias):
-                            grant = await strategy.aacquire(req, deadline, self.retry_interval)
-                    except Abandoned:  # waited past the deadline for a pooler
-                        grant = None
-                    if grant is None:
-                        undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
-                        await to_the_end(undo, f"giving back {self.name!r}")
-                        self._contended(key, deadline)
-                        return False
-                    self._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-                taken.append(key)
-        except BaseException:
-            undo = functools.partial(self._undo, holder, alias, strategy, list(taken))
-            await to_the_end(undo, f"giving back {self.name!r}")
-            raise
-        return True
+        attempt = Attempt(self, current_holder(), alias, self._strategy(alias), deadline)
+        busy = await attempt.arun(self.keys)
+        if busy is not None:
+            self._contended(busy.key, deadline)
+        return busy is None
 
     def _contended(self, key: Key, deadline: Deadline) -> None:
         if self.on_fail == "skip":
@@ -786,59 +480,7 @@ class Lock:
             deadline.elapsed(),
         )
 
-    def _undo(self, holder: Holder, alias: str, strategy: Strategy, taken: list[Key]) -> None:
-        """Give back what a failed many-key acquire took (all or none)."""
-        for key in reversed(taken):
-            holding = holder.holdings.get((alias, strategy.family, key.name))
-            if holding is not None:
-                with contextlib.suppress(DLockError):
-                    self._release_one(holder, holding)
-
     # -- release and extend ---------------------------------------------------
-
-    def _release_one(self, holder: Holder, holding: Holding) -> None:
-        holding.count -= 1
-        if holding.count > 0:
-            # An inner level: the lock stays held, but leaving it still
-            # reports a loss (asking the database if the lease may have run out).
-            if not holding.lost and holding.may_have_expired():
-                self._confirm(holding, off_loop=False)
-            if holding.lost:
-                raise holding.error()
-            return
-        req = holding.request
-        slot = (req.alias, holding.strategy.family, req.key.name)
-        if holder.holdings.get(slot) is holding:
-            del holder.holdings[slot]
-            holder.losses.pop(slot, None)
-            if holding.shadowed is not None:
-                holder.holdings[slot] = holding.shadowed
-                holder.losses[slot] = holding.shadowed.mark_lost
-        renewer_error: BaseException | None = None
-        if holding.renewer is not None:
-            try:
-                holding.renewer.stop()
-            except BaseException as exc:
-                renewer_error = exc
-        if holding.lost:
-            # Known lost: the release only tidies up (a lease still ours is
-            # freed, a session forgets the key); what it says changes nothing.
-            try:
-                holding.strategy.release(req)
-            except Exception as exc:
-                logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
-        elif not holding.strategy.release(req):
-            holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
-        if holding.lost:
-            raise holding.error()
-        held = time.monotonic() - holding.acquired_at
-        logger.debug("django-dlock: released %s after %.3fs", req.key.name, held)
-        if signals.lock_released.receivers:
-            signals.lock_released.send(
-                Lock, name=req.key.name, strategy=holding.strategy.name, held=held
-            )
-        if renewer_error is not None:
-            raise renewer_error
 
     def release(self) -> None:
         """Release the lock (one level of re-entry).
@@ -852,26 +494,30 @@ class Lock:
             DLockError: the strategy is transaction-scoped (``row``,
                 ``advisory_xact``): the transaction's end releases it.
         """
-        self._refuse_early_release()
         holder = current_holder()
-        holdings = self._holdings(holder)
-        if len(holdings) != len(self.keys):
-            holder_name = f"{holder.kind} {holder.label!r}"
-            raise LockNotOwned(f"{self.name!r} is not held by this {holder_name}")
-        self._release_all(holder, holdings)
+        holdings.release_all(holder, self._to_release(holder))
 
     async def arelease(self) -> None:
         """Async :meth:`release`."""
-        self._refuse_early_release()
         holder = current_holder()
-        holdings = self._holdings(holder)
-        if len(holdings) != len(self.keys):
-            raise LockNotOwned(f"{self.name!r} is not held by this task")
-        release = functools.partial(self._release_all, holder, holdings)
+        release = functools.partial(holdings.release_all, holder, self._to_release(holder))
         await to_the_end(release, f"releasing {self.name!r}")
 
+    def _to_release(self, holder: Holder) -> list[Holding]:
+        """The holder's holdings of every key (refused for a transaction-scoped lock)."""
+        self._refuse_early_release()
+        return self._all_held(holder)
+
+    def _all_held(self, holder: Holder | None = None) -> list[Holding]:
+        """The holdings of every key, or :class:`LockNotOwned`."""
+        holder = holder or current_holder()
+        found = self._holdings(holder)
+        if len(found) != len(self.keys):
+            raise LockNotOwned(f"{self.name!r} is not held by this {holder.kind} {holder.label!r}")
+        return found
+
     def _refuse_early_release(self) -> None:
-        if _LEAVING.get() or not _traits(self.strategy_name)[1]:
+        if _LEAVING.get() or not traits(self.strategy_name)[1]:
             return
         raise DLockError(
             f"{self.name!r} uses the {self.strategy_name} strategy: the database releases "
@@ -886,19 +532,9 @@ class Lock:
         response is closed by the server after the view returned, possibly in
         another thread. Does nothing if ``holder`` holds none of the keys.
         """
-        holdings = self._holdings(holder)
-        if holdings:
-            self._release_all(holder, holdings)
-
-    def _release_all(self, holder: Holder, holdings: Iterable[Holding]) -> None:
-        first_error: BaseException | None = None
-        for holding in reversed(list(holdings)):
-            try:
-                self._release_one(holder, holding)
-            except BaseException as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+        found = self._holdings(holder)
+        if found:
+            holdings.release_all(holder, found)
 
     def extend(self, ttl: float | None = None) -> None:
         """Renew the lease for ``ttl`` seconds from now (database time).
@@ -911,31 +547,17 @@ class Lock:
                 nothing was changed (an expired lease is not revived).
         """
         seconds = self._extend_ttl(ttl)
-        self._extend_all(self._holdings_to_extend(), seconds)
+        holdings.extend(self._all_held(), seconds)
 
     async def aextend(self, ttl: float | None = None) -> None:
         """Async :meth:`extend`."""
         seconds = self._extend_ttl(ttl)
-        await sync_to_async(self._extend_all)(self._holdings_to_extend(), seconds)
+        await sync_to_async(holdings.extend)(self._all_held(), seconds)
 
     def _extend_ttl(self, ttl: float | None) -> float:
         seconds = self.ttl if ttl is None else ttl
         validated(ttl_error(seconds))
         return float(seconds)
-
-    def _holdings_to_extend(self) -> list[Holding]:
-        holdings = self._holdings()
-        if len(holdings) != len(self.keys):
-            raise LockNotOwned(f"{self.name!r} is not held by the caller")
-        return holdings
-
-    def _extend_all(self, holdings: list[Holding], seconds: float) -> None:
-        for holding in holdings:
-            if holding.lost:
-                raise holding.error()
-            if not self._renew(holding, seconds):
-                holding.mark_lost(holding.loss_reason("the database no longer had it at extend"))
-                raise holding.error()
 
     # -- inspection (asks the database) -----------------------------------------
 
@@ -953,10 +575,10 @@ class Lock:
         :meth:`aowned`, which answers for the calling task. A holding the
         database no longer has is reported lost.
         """
-        holdings = self._holdings(holder)
-        if len(holdings) != len(self.keys) or any(h.lost for h in holdings):
+        found = self._holdings(holder)
+        if len(found) != len(self.keys) or any(h.lost for h in found):
             return False
-        return all(self._confirm(h, off_loop=holder is None) for h in holdings)
+        return all(holdings.confirm(h, off_loop=holder is None) for h in found)
 
     async def aowned(self) -> bool:
         """Async :meth:`owned`: whether the calling *task* holds every key."""
@@ -1096,7 +718,7 @@ class Lock:
 
     def __repr__(self) -> str:
         keys = "<decorator>" if self._keys is None else self.name
-        strategy = self._strategy_arg or conf.DEFAULT_STRATEGY
+        strategy = self._strategy_name_arg or conf.DEFAULT_STRATEGY
         return f"<{type(self).__name__} {keys} strategy={strategy}>"
 
 

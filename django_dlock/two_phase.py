@@ -13,24 +13,21 @@ queue taken before slow work starts) splits ``acquire`` in two:
   of the keys in order (all or none).
 
 The place belongs to the holder (thread or task) that took it and is kept
-per :class:`~django_dlock.locks.Lock` object until ``wait``. The sync and
-async ``enqueue`` share one plan (:func:`_enqueue_plan`); only the way each
-step runs differs.
+per :class:`~django_dlock.locks.Lock` object until ``wait``. Keys are taken
+by the same walk as ``acquire`` (:class:`~django_dlock.acquiring.Attempt`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from django_dlock._threads import to_the_end
+from django_dlock.acquiring import Attempt
 from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.identity import Holder, current_holder, holder_alive
 from django_dlock.retry import Deadline
@@ -40,7 +37,7 @@ from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.lease import LeaseStrategy
 
 if TYPE_CHECKING:
-    from django_dlock.locks import Holding, Lock
+    from django_dlock.locks import Lock
 
 __all__ = ["aenqueue", "await_lock", "enqueue", "wait"]
 
@@ -54,15 +51,6 @@ class Queued:
     index: int
     ticket: int | None = None
     pending: Pending | None = None
-
-
-#: what the enqueue plan asks its driver to do: renew a holding whose lease
-#: may have run out, try a key once, or take a lease ticket
-_Step = (
-    tuple[Literal["renew"], "Holding"]
-    | tuple[Literal["acquire"], Request]
-    | tuple[Literal["ticket"], Request]
-)
 
 
 def _two_phase_strategy(lock: Lock, alias: str) -> Strategy:
@@ -101,75 +89,41 @@ def _pending(holder: Holder, strategy: Strategy, req: Request) -> Pending:
     return Pending(impl, req, holder)
 
 
-def _enqueue_plan(
-    lock: Lock, holder: Holder, alias: str, strategy: Strategy
-) -> Generator[_Step, Any, bool]:
-    """The steps of ``enqueue`` for one holder; the driver sends each step's result.
-
-    ``("renew", holding)`` sends nothing back, ``("acquire", req)`` a
-    :class:`Grant` or None, ``("ticket", req)`` the ticket number.
-    """
-    for index, key in enumerate(lock.keys):
-        stale = lock._stale(holder, alias, strategy, key)
-        if stale is not None:
-            yield ("renew", stale)
-        if lock._reenter(holder, alias, strategy, key):
-            continue
-        req = lock._request(holder, alias, key)
-        sent_at = time.monotonic()
-        grant: Grant | None = yield ("acquire", req)
-        if grant is None:
-            if isinstance(strategy, LeaseStrategy):
-                ticket: int = yield ("ticket", req)
-                queue.keeper.add(req, ticket, holder_alive())
-                queued = Queued(req, index, ticket=ticket)
-            else:
-                queued = Queued(req, index, pending=_pending(holder, strategy, req))
-            _queued_places(lock)[holder.token()] = queued
-            return False
-        lock._held(holder, strategy, req, grant.fence, sent_at, 0.0)
-    return True
+def _queue_at(lock: Lock, attempt: Attempt, req: Request, ticket: int | None) -> None:
+    """Keep the place taken for ``req`` (a lease ticket, else a pending advisory lock)."""
+    holder = attempt.holder
+    if ticket is not None:
+        queue.keeper.add(req, ticket, holder_alive())
+        queued = Queued(req, len(attempt.taken), ticket=ticket)
+    else:
+        queued = Queued(req, len(attempt.taken), pending=_pending(holder, attempt.strategy, req))
+    _queued_places(lock)[holder.token()] = queued
 
 
 def enqueue(lock: Lock) -> bool:
-    """:meth:`Lock.enqueue`: run the plan's steps in the calling thread."""
+    """:meth:`Lock.enqueue`: try each key once; at the first busy one, take a place."""
     holder = current_holder()
     alias, strategy = _enqueue_begin(lock, holder)
-    plan = _enqueue_plan(lock, holder, alias, strategy)
-    result: object = None
-    try:
-        while True:
-            step = plan.send(result)
-            if step[0] == "renew":
-                lock._renew_or_lose(step[1], lock._lease_ttl())
-                result = None
-            elif step[0] == "acquire":
-                result = strategy.acquire(step[1], Deadline(0.0), lock.retry_interval)
-            else:
-                result = queue.enqueue(step[1])
-    except StopIteration as done:
-        return bool(done.value)
+    attempt = Attempt(lock, holder, alias, strategy, Deadline(0.0))
+    busy = attempt.run(lock.keys, keep=True)
+    if busy is None:
+        return True
+    ticket = queue.enqueue(busy) if isinstance(strategy, LeaseStrategy) else None
+    _queue_at(lock, attempt, busy, ticket)
+    return False
 
 
 async def aenqueue(lock: Lock) -> bool:
-    """:meth:`Lock.aenqueue`: the same plan, its queries off the event loop."""
+    """:meth:`Lock.aenqueue`: the same walk, its queries off the event loop."""
     holder = current_holder()
     alias, strategy = _enqueue_begin(lock, holder)
-    plan = _enqueue_plan(lock, holder, alias, strategy)
-    result: object = None
-    try:
-        while True:
-            step = plan.send(result)
-            if step[0] == "renew":
-                await sync_to_async(lock._renew_or_lose)(step[1], lock._lease_ttl())
-                result = None
-            elif step[0] == "acquire":
-                result = await strategy.aacquire(step[1], Deadline(0.0), lock.retry_interval)
-            else:
-                assert isinstance(strategy, LeaseStrategy)
-                result = await strategy.aenqueue(step[1])
-    except StopIteration as done:
-        return bool(done.value)
+    attempt = Attempt(lock, holder, alias, strategy, Deadline(0.0))
+    busy = await attempt.arun(lock.keys, keep=True)
+    if busy is None:
+        return True
+    ticket = await strategy.aenqueue(busy) if isinstance(strategy, LeaseStrategy) else None
+    _queue_at(lock, attempt, busy, ticket)
+    return False
 
 
 def _wait_begin(
@@ -184,44 +138,39 @@ def _wait_begin(
     return queued, deadline
 
 
+def _attempt_after(lock: Lock, holder: Holder, queued: Queued, deadline: Deadline) -> Attempt:
+    """The attempt that holds the keys before ``queued``'s and takes the rest."""
+    alias = queued.req.alias
+    taken = lock.keys[: queued.index]
+    return Attempt(lock, holder, alias, lock._strategy(alias), deadline, taken)
+
+
 def wait(lock: Lock, timeout: float | None) -> bool:
     """:meth:`Lock.wait`: block for the place, then take the remaining keys."""
     holder = current_holder()
     queued, deadline = _wait_begin(lock, holder, timeout)
     if queued is None:
         return True
-    req = queued.req
-    alias, strategy = req.alias, lock._strategy(req.alias)
-    taken = list(lock.keys[: queued.index])
+    attempt = _attempt_after(lock, holder, queued, deadline)
+    sent_at = time.monotonic()
     try:
-        sent_at = time.monotonic()
         if queued.pending is not None:
             left = None if deadline.timeout is None else deadline.remaining()
             grant = queued.pending.wait(left)
         else:
+            strategy = attempt.strategy
             assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
-            grant = strategy.wait_ticket(req, queued.ticket, deadline, lock.retry_interval)
-        if grant is None:
-            lock._undo(holder, alias, strategy, taken)
-            return False
-        lock._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-        taken.append(req.key)
-        for key in lock.keys[queued.index + 1 :]:
-            if not lock._reenter(holder, alias, strategy, key):
-                req = lock._request(holder, alias, key)
-                sent_at = time.monotonic()
-                grant = strategy.acquire(req, deadline, lock.retry_interval)
-                if grant is None:
-                    lock._undo(holder, alias, strategy, taken)
-                    return False
-                lock._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-            taken.append(key)
+            grant = strategy.wait_ticket(queued.req, queued.ticket, deadline, lock.retry_interval)
     except BaseException:
-        if queued.pending is not None and req is queued.req:
+        if queued.pending is not None:
             queued.pending.give_up()
-        lock._undo(holder, alias, strategy, taken)
+        attempt.undo()
         raise
-    return True
+    if grant is None:
+        attempt.undo()
+        return False
+    attempt.hold(queued.req, grant, sent_at)
+    return attempt.run(lock.keys[queued.index + 1 :]) is None
 
 
 async def _await_place(lock: Lock, queued: Queued, deadline: Deadline) -> Grant | None:
@@ -247,30 +196,15 @@ async def await_lock(lock: Lock, timeout: float | None) -> bool:
     queued, deadline = await sync_to_async(_wait_begin)(lock, holder, timeout)
     if queued is None:
         return True
-    alias, strategy = queued.req.alias, lock._strategy(queued.req.alias)
-    taken = list(lock.keys[: queued.index])
+    attempt = _attempt_after(lock, holder, queued, deadline)
+    sent_at = time.monotonic()
     try:
-        sent_at = time.monotonic()
         grant = await _await_place(lock, queued, deadline)
-        if grant is not None:
-            req = queued.req
-            lock._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-            taken.append(req.key)
-            for key in lock.keys[queued.index + 1 :]:
-                if not lock._reenter(holder, alias, strategy, key):
-                    req = lock._request(holder, alias, key)
-                    sent_at = time.monotonic()
-                    grant = await strategy.aacquire(req, deadline, lock.retry_interval)
-                    if grant is None:
-                        break
-                    lock._held(holder, strategy, req, grant.fence, sent_at, deadline.elapsed())
-                taken.append(key)
-        if grant is None:
-            undo = functools.partial(lock._undo, holder, alias, strategy, list(taken))
-            await to_the_end(undo, f"giving back {lock.name!r}")
-            return False
     except BaseException:
-        undo = functools.partial(lock._undo, holder, alias, strategy, list(taken))
-        await to_the_end(undo, f"giving back {lock.name!r}")
+        await attempt.aundo()
         raise
-    return True
+    if grant is None:
+        await attempt.aundo()
+        return False
+    attempt.hold(queued.req, grant, sent_at)
+    return await attempt.arun(lock.keys[queued.index + 1 :]) is None

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from django.core.signals import setting_changed
+from django.db import connections
+from django.dispatch import receiver
 
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.validation import strategy_error
@@ -39,3 +43,48 @@ def get_strategy(name: str) -> Strategy:
         module, _, attribute = REGISTRY[name].partition(":")
         found = _loaded[name] = getattr(import_module(module), attribute)
     return found
+
+
+#: (strategy name, alias, ENGINE) -> the strategy, its support for that database checked
+_SUPPORTED: dict[tuple[str, str, Any], Strategy] = {}
+
+
+def supported(name: str, alias: str) -> Strategy:
+    """The strategy ``name`` on ``alias``, checked once per database engine.
+
+    A strategy with one implementation per database (``advisory``: PostgreSQL
+    or MySQL/MariaDB) resolves to the one for ``alias``, so that acquire and
+    release do not look it up again. A strategy the database cannot do raises
+    :class:`StrategyNotSupported` at every call (nothing is remembered).
+    """
+    database = connections.settings.get(alias)
+    slot = (name, alias, None if database is None else database.get("ENGINE"))
+    found = _SUPPORTED.get(slot)
+    if found is None:
+        from django_dlock.strategies.advisory.vendors import ByVendor
+
+        found = get_strategy(name)
+        found.check_supported(connections[alias])
+        if isinstance(found, ByVendor):
+            found = found.implementation(alias)
+        _SUPPORTED[slot] = found
+    return found
+
+
+#: strategy name -> (family, transaction-scoped)
+_TRAITS: dict[str, tuple[str, bool]] = {}
+
+
+def traits(name: str) -> tuple[str, bool]:
+    """The family of the strategy called ``name``, and whether it is transaction-scoped."""
+    found = _TRAITS.get(name)
+    if found is None:
+        strategy = get_strategy(name)
+        found = _TRAITS[name] = (strategy.family, strategy.transaction_scoped)
+    return found
+
+
+@receiver(setting_changed)
+def _forget_supported(setting: str, **kwargs: Any) -> None:
+    if setting == "DATABASES":
+        _SUPPORTED.clear()

@@ -122,3 +122,9 @@ class Strategy(Protocol):
 
     def owned(self, req: Request) -> bool:
         """Whether the caller holds ``key`` now, according to the database."""
+
+    def loss_reason(self, req: Request) -> str | None:
+        """Why the caller no longer holds ``key``, if the strategy can tell (may query).
+
+        ``None`` when it has nothing to add to what the caller saw.
+        """

@@ -110,6 +110,10 @@ class TransactionScoped:
     #: the transaction (see :meth:`ended`)
     transaction_scoped = True
 
+    def loss_reason(self, req: Request) -> str | None:
+        """Nothing to add: the lock ended with its transaction."""
+        return None
+
     def atomic_connection(self, req: Request) -> BaseDatabaseWrapper:
         """The caller's connection, which must be inside ``transaction.atomic``."""
         connection = connections[req.alias]

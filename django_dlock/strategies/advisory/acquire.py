@@ -98,6 +98,10 @@ class SessionAsyncAcquire:
     def owned(self, req: Request) -> bool:
         raise NotImplementedError
 
+    def loss_reason(self, req: Request) -> str | None:
+        """Nothing to add: a session lock is lost only with its session, which says why."""
+        return None
+
     def extend(self, req: Request, ttl: float) -> bool:
         """Nothing to extend: a session lock has no lease. True while it is held."""
         return self.owned(req)

@@ -105,6 +105,9 @@ class ByVendor:
     def owned(self, req: Request) -> bool:
         return self._for(req.alias).owned(req)
 
+    def loss_reason(self, req: Request) -> str | None:
+        return self._for(req.alias).loss_reason(req)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}: {', '.join(self.implementations)}>"
 

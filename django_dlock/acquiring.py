@@ -1,0 +1,181 @@
+"""How a lock takes its keys: one walk for every way of acquiring.
+
+``acquire()``, ``enqueue()`` and the keys that ``wait()`` takes after its
+place was granted all take keys the same way: in sorted order, each one
+re-entered if the holder still holds it (a lease that may have run out is
+renewed first, or found lost) or tried, until one is busy; what the walk
+took is given back, all or none, when it fails or raises (a cancelled task
+included).
+
+:meth:`Attempt.take` is that walk, written once. Its three database steps
+(renew, try, give back) are awaited through an :class:`_Steps` object:
+:class:`_AsyncSteps` runs them off the event loop; :class:`_SyncSteps` runs
+them in the calling thread and never suspends, so :meth:`Attempt.run` drives
+the same coroutine to its end with a single ``send`` and no event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from asgiref.sync import sync_to_async
+
+from django_dlock import holdings
+from django_dlock._threads import to_the_end
+from django_dlock.exceptions import DLockError
+from django_dlock.holdings import Holding
+from django_dlock.identity import Holder
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline
+from django_dlock.strategies.base import Grant, Request, Strategy
+from django_dlock.strategies.deadline import Abandoned, statement_deadline
+
+if TYPE_CHECKING:
+    from django_dlock.locks import Lock
+
+__all__ = ["Attempt"]
+
+T = TypeVar("T")
+
+
+def run_to_end(coro: Coroutine[Any, Any, T]) -> T:
+    """The result of a coroutine that never suspends (every await it makes
+    completes at once), run without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    coro.close()
+    raise RuntimeError("a synchronous step suspended")  # pragma: no cover (a bug)
+
+
+class Attempt:
+    """One call's attempt to take keys of ``lock`` for ``holder`` on ``alias``.
+
+    ``taken`` lists the keys held so far by this attempt (re-entered keys
+    included: giving back releases one level of them).
+    """
+
+    def __init__(
+        self,
+        lock: Lock,
+        holder: Holder,
+        alias: str,
+        strategy: Strategy,
+        deadline: Deadline,
+        taken: Iterable[Key] = (),
+    ) -> None:
+        self.lock = lock
+        self.holder = holder
+        self.alias = alias
+        self.strategy = strategy
+        self.deadline = deadline
+        self.taken: list[Key] = list(taken)
+
+    async def take(self, keys: Iterable[Key], steps: _Steps, keep: bool) -> Request | None:
+        """Walk ``keys``: ``None`` once all are held, else the busy key's request;
+        what was taken is given back then unless ``keep``."""
+        lock, holder = self.lock, self.holder
+        try:
+            for key in keys:
+                slot = (self.alias, self.strategy.family, key.name)
+                expired = holdings.stale(holder, slot)
+                if expired is not None:
+                    await steps.renew(expired)
+                if lock._reenter(holder, slot):
+                    self.taken.append(key)
+                    continue
+                req = lock._request(holder, self.alias, key)
+                sent_at = time.monotonic()
+                try:
+                    with statement_deadline(self.deadline, self.alias):
+                        grant = await steps.attempt(req)
+                except Abandoned:  # waited past the deadline for a pooler
+                    grant = None
+                if grant is None:
+                    if not keep:
+                        await steps.undo()
+                    return req
+                self.hold(req, grant, sent_at)
+        except BaseException:
+            await steps.undo()
+            raise
+        return None
+
+    def hold(self, req: Request, grant: Grant, sent_at: float) -> None:
+        """Record the key of ``req`` as acquired by a statement sent at ``sent_at``."""
+        self.lock._held(
+            self.holder, self.strategy, req, grant.fence, sent_at, self.deadline.elapsed()
+        )
+        self.taken.append(req.key)
+
+    def run(self, keys: Iterable[Key], *, keep: bool = False) -> Request | None:
+        """:meth:`take` in the calling thread."""
+        return run_to_end(self.take(keys, _SyncSteps(self), keep))
+
+    async def arun(self, keys: Iterable[Key], *, keep: bool = False) -> Request | None:
+        """:meth:`take` without blocking the event loop."""
+        return await self.take(keys, _AsyncSteps(self), keep)
+
+    # -- giving back -----------------------------------------------------------
+
+    def undo(self) -> None:
+        """Give back what this attempt took, last first (all or none)."""
+        taken, self.taken = self.taken, []
+        for key in reversed(taken):
+            holding = self.holder.holdings.get((self.alias, self.strategy.family, key.name))
+            if holding is not None:
+                with contextlib.suppress(DLockError):
+                    holdings.release_one(self.holder, holding)
+
+    async def aundo(self) -> None:
+        """Async :meth:`undo`: runs to the end even if the task is cancelled."""
+        await to_the_end(self.undo, f"giving back {self.lock.name!r}")
+
+
+class _Steps(Protocol):
+    """The database steps of :meth:`Attempt.take`."""
+
+    async def renew(self, holding: Holding) -> None: ...
+
+    async def attempt(self, req: Request) -> Grant | None: ...
+
+    async def undo(self) -> None: ...
+
+
+class _SyncSteps:
+    """Each step runs in the calling thread (it never suspends)."""
+
+    def __init__(self, attempt: Attempt) -> None:
+        self._attempt = attempt
+
+    async def renew(self, holding: Holding) -> None:
+        holdings.renew_or_lose(holding, self._attempt.lock._lease_ttl())
+
+    async def attempt(self, req: Request) -> Grant | None:
+        at = self._attempt
+        return at.strategy.acquire(req, at.deadline, at.lock.retry_interval)
+
+    async def undo(self) -> None:
+        self._attempt.undo()
+
+
+class _AsyncSteps:
+    """Each step runs off the event loop; a cancelled task still gives back."""
+
+    def __init__(self, attempt: Attempt) -> None:
+        self._attempt = attempt
+
+    async def renew(self, holding: Holding) -> None:
+        await sync_to_async(holdings.renew_or_lose)(holding, self._attempt.lock._lease_ttl())
+
+    async def attempt(self, req: Request) -> Grant | None:
+        at = self._attempt
+        return await at.strategy.aacquire(req, at.deadline, at.lock.retry_interval)
+
+    async def undo(self) -> None:
+        await self._attempt.aundo()
