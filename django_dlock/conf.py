@@ -9,7 +9,7 @@ checks at start-up and by the lock before any SQL runs).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings
 from django.core.signals import setting_changed
@@ -32,6 +32,8 @@ from django_dlock.validation import (
 
 __all__ = [
     "DEFAULTS",
+    "UNSET",
+    "FromSetting",
     "MAX_SECONDS",
     "STRATEGIES",
     "RetryInterval",
@@ -176,3 +178,43 @@ def lock_alias(using: str | None = None) -> str:
     from django_dlock.models import Lock
 
     return router.db_for_write(Lock) or "default"
+
+
+T = TypeVar("T")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET: Any = _Unset()
+
+
+class FromSetting(Generic[T]):
+    """An option of an object: the value given to it, else its setting's (checked when read).
+
+    The given value lives in the instance attribute ``_<option>_arg``;
+    ``unset`` is the value that means "not given".
+    """
+
+    def __init__(self, setting: str, unset: Any = None) -> None:
+        self.setting = setting
+        self.unset = unset
+        self.attr = ""
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.attr = f"_{name}_arg"
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> FromSetting[T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type[Any]) -> T: ...
+
+    def __get__(self, instance: object, owner: type[Any]) -> T | FromSetting[T]:
+        if instance is None:
+            return self
+        given = instance.__dict__[self.attr]
+        value: T = checked(self.setting) if given is self.unset else given
+        return value

@@ -29,7 +29,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, TypeVar, cast, overload
 
 from asgiref.sync import sync_to_async
 from django.db import connections
@@ -37,7 +37,7 @@ from django.db import connections
 from django_dlock import holdings, metrics, signals, two_phase
 from django_dlock._threads import to_the_end
 from django_dlock.acquiring import Attempt
-from django_dlock.conf import RetryInterval, checked, conf, lock_alias
+from django_dlock.conf import UNSET, FromSetting, RetryInterval, checked, conf, lock_alias
 from django_dlock.exceptions import (
     DLockError,
     InvalidLockKey,
@@ -68,43 +68,6 @@ logger = logging.getLogger("django_dlock")
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-UNSET: Any = _Unset()
-
-
-class _FromSetting(Generic[T]):
-    """A lock option: the value given to :class:`Lock`, else its setting's (checked when read).
-
-    The given value lives in the instance attribute ``_<option>_arg``;
-    ``unset`` is the value that means "not given".
-    """
-
-    def __init__(self, setting: str, unset: Any = None) -> None:
-        self.setting = setting
-        self.unset = unset
-        self.attr = ""
-
-    def __set_name__(self, owner: type[Any], name: str) -> None:
-        self.attr = f"_{name}_arg"
-
-    @overload
-    def __get__(self, lk: None, owner: type[Any]) -> _FromSetting[T]: ...
-
-    @overload
-    def __get__(self, lk: Lock, owner: type[Any]) -> T: ...
-
-    def __get__(self, lk: Lock | None, owner: type[Any]) -> T | _FromSetting[T]:
-        if lk is None:
-            return self
-        given = lk.__dict__[self.attr]
-        value: T = checked(self.setting) if given is self.unset else given
-        return value
 
 
 def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
@@ -225,11 +188,11 @@ class Lock:
     # -- options that default to settings (read and checked at use) ---------
 
     #: the strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)
-    strategy_name = _FromSetting[str]("DLOCK_DEFAULT_STRATEGY")
+    strategy_name = FromSetting[str]("DLOCK_DEFAULT_STRATEGY")
     #: how long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)
-    timeout = _FromSetting[float | None]("DLOCK_DEFAULT_TIMEOUT", unset=UNSET)
+    timeout = FromSetting[float | None]("DLOCK_DEFAULT_TIMEOUT", unset=UNSET)
     #: the waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)
-    retry_interval = _FromSetting[RetryInterval]("DLOCK_RETRY_INTERVAL")
+    retry_interval = FromSetting[RetryInterval]("DLOCK_RETRY_INTERVAL")
 
     @property
     def ttl(self) -> float:
