@@ -11,20 +11,21 @@ included).
 (renew, try, give back) are awaited through an :class:`_Steps` object:
 :class:`_AsyncSteps` runs them off the event loop; :class:`_SyncSteps` runs
 them in the calling thread and never suspends, so :meth:`Attempt.run` drives
-the same coroutine to its end with a single ``send`` and no event loop.
+the same coroutine to its end without an event loop (:mod:`django_dlock._unasync`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 from asgiref.sync import sync_to_async
 
 from django_dlock import holdings
 from django_dlock._threads import to_the_end
+from django_dlock._unasync import run_to_end
 from django_dlock.exceptions import DLockError
 from django_dlock.holdings import Holding
 from django_dlock.identity import Holder
@@ -37,20 +38,6 @@ if TYPE_CHECKING:
     from django_dlock.locks import Lock
 
 __all__ = ["Attempt"]
-
-T = TypeVar("T")
-
-
-def run_to_end(coro: Coroutine[Any, Any, T]) -> T:
-    """The result of a coroutine that never suspends (every await it makes
-    completes at once), run without an event loop."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-    coro.close()
-    raise RuntimeError("a synchronous step suspended")  # pragma: no cover (a bug)
 
 
 class Attempt:

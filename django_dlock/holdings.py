@@ -234,19 +234,10 @@ class Renewal:
 
 
 def take(
-    holder: Holder,
-    strategy: Strategy,
-    req: Request,
-    fence: int | None,
-    *,
-    sent_at: float,
-    wait: float,
-    sender: type[Any],
-    on_lost: Callable[[LockLost], None] | None,
-    renewal: Renewal | None,
+    holder: Holder, holding: Holding, *, sent_at: float, wait: float, renewal: Renewal | None
 ) -> Holding:
-    """Record a fresh acquisition in the holder's table (and start its renewer)."""
-    holding = Holding(request=req, strategy=strategy, fence=fence, sender=sender, on_lost=on_lost)
+    """Record ``holding``, just acquired, in the holder's table (and start its renewer)."""
+    req, strategy, fence = holding.request, holding.strategy, holding.fence
     if strategy.name == "lease":
         holding.valid_until = sent_at + req.ttl
     slot = holding.slot
@@ -270,7 +261,7 @@ def take(
     logger.debug("django-dlock: acquired %s (fence %s) after %.3fs", req.key.name, fence, wait)
     if signals.lock_acquired.receivers:
         signals.lock_acquired.send(
-            sender, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
+            holding.sender, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
         )
     return holding
 

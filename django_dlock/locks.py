@@ -379,18 +379,9 @@ class Lock:
         sent_at: float,
         wait: float,
     ) -> Holding:
+        holding = Holding(req, strategy, fence, sender=Lock, on_lost=self.on_lost)
         renewal = Renewal(self.ttl, self.max_hold) if self.renew else None
-        return holdings.take(
-            holder,
-            strategy,
-            req,
-            fence,
-            sent_at=sent_at,
-            wait=wait,
-            sender=Lock,
-            on_lost=self.on_lost,
-            renewal=renewal,
-        )
+        return holdings.take(holder, holding, sent_at=sent_at, wait=wait, renewal=renewal)
 
     def acquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Acquire the lock; ``True`` if acquired, ``False`` on timeout.

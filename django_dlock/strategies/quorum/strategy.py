@@ -19,12 +19,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_dlock._unasync import blocking, run_to_end
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import QuorumUnavailable, StrategyNotSupported
 from django_dlock.keys import Key
@@ -129,28 +130,33 @@ class QuorumLease:
     # -- acquire ------------------------------------------------------------
 
     def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
-        attempt = 0
-        while True:
-            outcome = self.attempt(req, deadline)
-            if isinstance(outcome, Grant):
-                return outcome
-            if deadline.expired():
-                return self._gave_up(req, outcome)
-            time.sleep(min(interval(policy, attempt), deadline.remaining()))
-            attempt += 1
+        rounds = self._rounds(req, deadline, policy, blocking(self.attempt), blocking(time.sleep))
+        return run_to_end(rounds)
 
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:
-        attempt = 0
+        return await self._rounds(req, deadline, policy, self._aattempt, asyncio.sleep)
+
+    async def _rounds(
+        self,
+        req: Request,
+        deadline: Deadline,
+        policy: RetryInterval,
+        attempt: Callable[[Request, Deadline], Awaitable[Grant | Round]],
+        sleep: Callable[[float], Awaitable[None]],
+    ) -> Grant | None:
+        """Rounds until a majority grants or the deadline passes (the sync
+        :meth:`acquire` runs it with blocking steps)."""
+        tries = 0
         while True:
-            outcome = await self._aattempt(req, deadline)
+            outcome = await attempt(req, deadline)
             if isinstance(outcome, Grant):
                 return outcome
             if deadline.expired():
                 return self._gave_up(req, outcome)
-            await asyncio.sleep(min(interval(policy, attempt), deadline.remaining()))
-            attempt += 1
+            await sleep(min(interval(policy, tries), deadline.remaining()))
+            tries += 1
 
     async def _aattempt(self, req: Request, deadline: Deadline) -> Grant | Round:
         """One round in a worker thread; a grant that comes too late is given back."""
