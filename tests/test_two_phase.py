@@ -162,6 +162,17 @@ def test_many_keys_timing_out_releases_what_enqueue_took(alias):
     holder.release()
 
 
+def test_an_enqueue_that_raises_midway_gives_back_the_keys_it_took(alias):
+    # "tp-k2" is already held by this thread, and the lock refuses re-entry:
+    # enqueue() takes "tp-k1", then raises at "tp-k2"; "tp-k1" must not stay held.
+    with dlock.lock("tp-k2", using=alias):
+        lk = dlock.lock(["tp-k1", "tp-k2"], using=alias, reentrant=False)
+        with pytest.raises(dlock.LockReentrantError):
+            lk.enqueue()
+        assert not lk.owned()
+        assert not dlock.lock("tp-k1", using=alias).locked()
+
+
 def test_async_enqueue_then_wait(alias):
     holder = Holder(alias, "tp-async")
 
