@@ -49,6 +49,28 @@ def test_the_advisory_modules_stay_importable_from_their_former_homes():
     assert vendors.advisory.for_vendor("mysql") is mysql.advisory_mysql
 
 
+def test_the_operator_functions_stay_importable_from_django_dlock_operations():
+    from django_dlock import operations
+    from django_dlock.operations import lease_rows, mysql_user_locks, pg_advisory
+
+    homes = {
+        lease_rows: (
+            "Lease Released SecondsLeft annotate_state candidate_names default_alias "
+            "find_lease force_release leases state_of token_prefix"
+        ),
+        pg_advisory: (
+            "AdvisoryLock advisory_key advisory_key_of advisory_locks is_postgresql "
+            "terminate_backend"
+        ),
+        mysql_user_locks: "UserLock UserLocks is_mysql user_lock_holder user_locks",
+    }
+    for home, names in homes.items():
+        for name in names.split():
+            assert getattr(operations, name) is getattr(home, name), name
+    for name in operations.__all__:
+        assert hasattr(operations, name)
+
+
 def test_every_check_is_registered_including_the_direct_databases_one():
     with override_settings(DLOCK_DIRECT_DATABASES={"default": "nope"}):
         found = [m.id for m in checks.run_checks() if m.id and m.id.startswith("dlock.")]

@@ -1,13 +1,19 @@
-"""Async acquisition for strategies that hold locks on dedicated sessions.
+"""The flow shared by strategies that hold locks on dedicated sessions.
 
 The PostgreSQL and MySQL/MariaDB ``advisory`` strategies hold each holder's
 locks on a database session of its own, with blocking statements. Their
-async path is the same, written once here: the first try runs in the small
-shared executor, a wait (when the try failed and the timeout allows it) in a
-thread of its own, so that a wait in the server's queue blocks neither the
-event loop nor Django's shared sync thread, and long waits never starve
-other tasks' tries. Cancelling the task interrupts the wait in the server,
-and a lock its worker acquired anyway is given back.
+flow is written once here: the holder's session (a pooled session that died
+in the pool is replaced once), try then wait, settling a failed acquisition
+so that the session holds nothing, recording a lock just acquired, release
+and ownership checks, and the async path. Each vendor supplies only its
+statements (``_take``, ``_holds``, ``_unlock``) and its driver's errors.
+
+Async, the first try runs in the small shared executor, a wait (when the
+try failed and the timeout allows it) in a thread of its own, so that a wait
+in the server's queue blocks neither the event loop nor Django's shared sync
+thread, and long waits never starve other tasks' tries. Cancelling the task
+interrupts the wait in the server, and a lock its worker acquired anyway is
+given back.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from django_dlock.retry import Deadline
 from django_dlock.strategies.advisory.executor import executor as advisory_executor
 from django_dlock.strategies.advisory.executor import in_thread
 from django_dlock.strategies.advisory.pool import Pool, session_for
-from django_dlock.strategies.advisory.session import Session, SessionLost
+from django_dlock.strategies.advisory.pool import find as find_session
+from django_dlock.strategies.advisory.session import Session, SessionLost, SessionSwitched
+from django_dlock.strategies.advisory.watcher import ensure_watcher
 from django_dlock.strategies.base import Grant, Request
 
 
@@ -72,16 +80,40 @@ class AsyncWait:
 
 
 class SessionAsyncAcquire:
-    """``aacquire`` for a strategy with a blocking ``_acquire`` and ``release``.
+    """The flow of a strategy that holds locks on dedicated sessions.
 
-    Its strategies hold session-level locks: not transaction-scoped, and a
-    lock ends only when released or when its session ends.
+    ``acquire``, ``try_acquire`` and ``aacquire`` all come down to
+    ``_acquire``: on the holder's dedicated session (from ``pool_kind``),
+    the vendor's ``_take`` tries once and, if the deadline allows it, waits
+    in the server; a failed acquisition is settled so that the session holds
+    nothing. ``release`` and ``owned`` run the vendor's ``_unlock`` and
+    ``_holds`` on the holder's session. Its strategies hold session-level
+    locks: not transaction-scoped, and a lock ends only when released or
+    when its session ends.
     """
 
     transaction_scoped = False
+    #: the pool the strategy's dedicated sessions come from
+    pool_kind: type[Pool] = Pool
 
     def ended(self, req: Request) -> bool:
         return False
+
+    def refuse_unsupported(self, req: Request) -> None:
+        """Raise if the strategy cannot take ``req`` at all (nothing by default)."""
+
+    # -- acquire -----------------------------------------------------------------
+
+    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+        self.refuse_unsupported(req)
+        return self._acquire(req, deadline, current_holder, None)
+
+    def try_acquire(self, req: Request) -> int | None:
+        self.refuse_unsupported(req)
+        grant = self._acquire(req, Deadline(0), current_holder, None)
+        if grant is None:
+            return None
+        return 0 if grant.fence is None else grant.fence
 
     def _acquire(
         self,
@@ -90,13 +122,90 @@ class SessionAsyncAcquire:
         holder: Callable[[], Holder | None],
         waiter: AsyncWait | None,
     ) -> Grant | None:
-        raise NotImplementedError
+        if waiter is not None and waiter.cancelled:
+            return None
+        return on_session(
+            req,
+            holder,
+            lambda session: self._acquire_on(session, req, deadline, waiter),
+            self.pool_kind,
+        )
+
+    def _acquire_on(
+        self, session: Session, req: Request, deadline: Deadline, waiter: AsyncWait | None
+    ) -> Grant | None:
+        """Acquire on ``session``; after a failure, make sure it holds nothing.
+
+        A statement that fails (or is interrupted) may leave the lock taken
+        all the same: :meth:`_settle` gives it back. A session that is gone
+        holds nothing to settle.
+        """
+        if waiter is not None:
+            waiter.session = session  # cancelling the task interrupts the wait
+        try:
+            grant = self._take(session, req, deadline, waiter)
+        except (SessionLost, SessionSwitched):
+            raise  # the session is gone: it holds nothing
+        except BaseException as exc:
+            self._settle(session, req)
+            if isinstance(exc, self._database_error()):
+                raise self._failed(req, exc) from exc
+            raise
+        if grant is None:
+            return None
+        session.held[req.key.name] = req.shared
+        if waiter is not None and waiter.cancelled:
+            self.release(req)  # the task is gone: give it back
+            return None
+        ensure_watcher()
+        return grant
+
+    def _settle(self, session: Session, req: Request) -> None:
+        """After a failed acquisition: make sure ``session`` does not hold the key."""
+        if session.lost is not None or req.key.name in session.held:
+            return
+        try:
+            if self._holds(session, req):
+                self._unlock(session, req)
+        except Exception as exc:
+            # In doubt: end the session, which frees whatever it holds.
+            session.fail(f"could not settle a failed acquisition of {req.key.name!r}: {exc}")
+
+    # -- release, extend, inspect --------------------------------------------------
+
+    def _session(self, req: Request) -> Session | None:
+        """The holder's session on ``req.alias`` if it holds ``req.key``."""
+        session = find_session(req.alias, req.token)
+        if session is None or req.key.name not in session.held:
+            return None
+        return session
 
     def release(self, req: Request) -> bool:
-        raise NotImplementedError
+        session = self._session(req)
+        if session is None:
+            return False
+        try:
+            released = self._unlock(session, req)
+        except (SessionLost, SessionSwitched):
+            return False
+        except self._database_error() as exc:
+            session.fail(f"releasing {req.key.name!r} failed: {exc}")
+            return False
+        session.held.pop(req.key.name, None)
+        session.pool.done(session)
+        return released
 
     def owned(self, req: Request) -> bool:
-        raise NotImplementedError
+        session = self._session(req)
+        if session is None or session.lost is not None:
+            return False
+        try:
+            return self._holds(session, req)
+        except (SessionLost, SessionSwitched):
+            return False
+        except self._database_error() as exc:
+            session.fail(f"checking {req.key.name!r} failed: {exc}")
+            return False
 
     def loss_reason(self, req: Request) -> str | None:
         """Nothing to add: a session lock is lost only with its session, which says why."""
@@ -106,9 +215,36 @@ class SessionAsyncAcquire:
         """Nothing to extend: a session lock has no lease. True while it is held."""
         return self.owned(req)
 
+    # -- the vendor's statements ---------------------------------------------------
+
+    def _take(
+        self, session: Session, req: Request, deadline: Deadline, waiter: AsyncWait | None
+    ) -> Grant | None:
+        """Try once, then wait in the server until ``deadline``; the grant or ``None``."""
+        raise NotImplementedError
+
+    def _holds(self, session: Session, req: Request) -> bool:
+        """Whether ``session`` holds the lock of ``req`` (asking the server)."""
+        raise NotImplementedError
+
+    def _unlock(self, session: Session, req: Request) -> bool:
+        """Release the lock of ``req`` on ``session``; false if it was not held."""
+        raise NotImplementedError
+
+    def _database_error(self) -> type[Exception]:
+        """The database driver's base error class."""
+        raise NotImplementedError
+
+    def _failed(self, req: Request, exc: Exception) -> DLockError:
+        """The error to raise when acquiring ``req`` failed with ``exc`` (a driver error)."""
+        raise NotImplementedError
+
+    # -- async ---------------------------------------------------------------------
+
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:
+        self.refuse_unsupported(req)
         holder = current_holder()
         waiter = AsyncWait()
         loop = asyncio.get_running_loop()

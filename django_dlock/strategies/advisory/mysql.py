@@ -35,32 +35,21 @@ import hashlib
 import logging
 import math
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError, StrategyNotSupported
-from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies.advisory import mysql_session
-from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire, on_session
-from django_dlock.strategies.advisory.pool import find as find_session
+from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.advisory.session import (
     Session,
-    SessionLost,
-    SessionSwitched,
     WaitCancelled,
 )
-from django_dlock.strategies.advisory.watcher import ensure_watcher
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import fetch_one, lock_connection
-
-if TYPE_CHECKING:
-    from django_dlock.identity import Holder
 
 logger = logging.getLogger("django_dlock")
 
@@ -123,15 +112,12 @@ def refuse_shared(req: Request) -> None:
         )
 
 
-def _failed(req: Request, exc: Exception) -> DLockError:
-    return DLockError(f"the GET_LOCK statement for {req.key.name!r} failed: {exc}")
-
-
 class MySQLAdvisoryStrategy(SessionAsyncAcquire):
     """``GET_LOCK`` user locks on dedicated connections (module docstring)."""
 
     name = "advisory"
     family = "advisory"
+    pool_kind = mysql_session.MySQLPool
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         if connection.vendor != "mysql":
@@ -140,68 +126,20 @@ class MySQLAdvisoryStrategy(SessionAsyncAcquire):
                 f"{connection.alias!r} is {connection.vendor}"
             )
 
-    # -- acquire ---------------------------------------------------------------
-
-    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+    def refuse_unsupported(self, req: Request) -> None:
         refuse_shared(req)
-        return self._acquire(req, deadline, current_holder, None)
 
-    async def aacquire(
-        self, req: Request, deadline: Deadline, policy: RetryInterval
+    # -- the statements ------------------------------------------------------------
+
+    def _take(
+        self, session: Session, req: Request, deadline: Deadline, waiter: AsyncWait | None
     ) -> Grant | None:
-        refuse_shared(req)
-        return await super().aacquire(req, deadline, policy)
-
-    def try_acquire(self, req: Request) -> int | None:
-        refuse_shared(req)
-        return None if self._acquire(req, Deadline(0), current_holder, None) is None else 0
-
-    def _acquire(
-        self,
-        req: Request,
-        deadline: Deadline,
-        holder: Callable[[], Holder | None],
-        waiter: AsyncWait | None,
-    ) -> Grant | None:
-        if waiter is not None and waiter.cancelled:
-            return None
+        assert isinstance(session, mysql_session.MySQLSession)
         name = name_of(req)
-
-        def acquire_on(session: Session) -> Grant | None:
-            assert isinstance(session, mysql_session.MySQLSession)
-            return self._acquire_on(session, req, name, deadline, waiter)
-
-        return on_session(req, holder, acquire_on, mysql_session.MySQLPool)
-
-    def _acquire_on(
-        self,
-        session: mysql_session.MySQLSession,
-        req: Request,
-        name: str,
-        deadline: Deadline,
-        waiter: AsyncWait | None,
-    ) -> Grant | None:
-        if waiter is not None:
-            waiter.session = session
-        try:
-            acquired = session.query(TRY, (name, 0))[0] == 1
-            if not acquired and not deadline.expired():
-                acquired = self._wait(session, req, name, deadline, waiter)
-        except (SessionLost, SessionSwitched):
-            raise  # the connection is gone: it holds nothing
-        except BaseException as exc:
-            self._settle(session, req, name)
-            if isinstance(exc, mysql_session.driver().Error):
-                raise _failed(req, exc) from exc
-            raise
-        if not acquired:
-            return None
-        session.held[req.key.name] = False
-        if waiter is not None and waiter.cancelled:
-            self.release(req)  # the task is gone: give it back
-            return None
-        ensure_watcher()
-        return Grant(None)
+        acquired = session.query(TRY, (name, 0))[0] == 1
+        if not acquired and not deadline.expired():
+            acquired = self._wait(session, req, name, deadline, waiter)
+        return Grant(None) if acquired else None
 
     def _wait(
         self,
@@ -241,59 +179,27 @@ class MySQLAdvisoryStrategy(SessionAsyncAcquire):
             if value is None:
                 # Interrupted (our own KILL QUERY, or an operator's): the lock
                 # may have been granted just before; find out.
-                self._settle(session, req, name)
+                self._settle(session, req)
                 if waiter is not None and waiter.cancelled:
                     return False
             # 0: the time ran out (MySQL rounds to whole seconds: check the deadline)
 
-    def _settle(self, session: mysql_session.MySQLSession, req: Request, name: str) -> None:
-        """After a failed acquisition: make sure the connection does not hold the key."""
-        if session.lost is not None or req.key.name in session.held:
-            return
-        try:
-            if session.query(HOLDS, (name,))[0] == 1:
-                session.query(RELEASE, (name,))
-        except Exception as exc:
-            # In doubt: end the connection, which frees whatever it holds.
-            session.fail(f"could not settle a failed acquisition of {req.key.name!r}: {exc}")
+    def _holds(self, session: Session, req: Request) -> bool:
+        assert isinstance(session, mysql_session.MySQLSession)
+        return bool(session.query(HOLDS, (name_of(req),))[0] == 1)
 
-    # -- release, extend, inspect ------------------------------------------------
+    def _unlock(self, session: Session, req: Request) -> bool:
+        assert isinstance(session, mysql_session.MySQLSession)
+        return bool(session.query(RELEASE, (name_of(req),))[0] == 1)
 
-    def _session(self, req: Request) -> mysql_session.MySQLSession | None:
-        session = find_session(req.alias, req.token)
-        if not isinstance(session, mysql_session.MySQLSession):
-            return None
-        if req.key.name not in session.held:
-            return None
-        return session
+    def _database_error(self) -> type[Exception]:
+        error: type[Exception] = mysql_session.driver().Error
+        return error
 
-    def release(self, req: Request) -> bool:
-        session = self._session(req)
-        if session is None:
-            return False
-        try:
-            released = bool(session.query(RELEASE, (name_of(req),))[0] == 1)
-        except (SessionLost, SessionSwitched):
-            return False
-        except mysql_session.driver().Error as exc:
-            session.fail(f"releasing {req.key.name!r} failed: {exc}")
-            return False
-        session.held.pop(req.key.name, None)
-        session.pool.done(session)
-        return released
+    def _failed(self, req: Request, exc: Exception) -> DLockError:
+        return DLockError(f"the GET_LOCK statement for {req.key.name!r} failed: {exc}")
 
-    def owned(self, req: Request) -> bool:
-        session = self._session(req)
-        if session is None or session.lost is not None:
-            return False
-        try:
-            row = session.query(HOLDS, (name_of(req),))
-        except (SessionLost, SessionSwitched):
-            return False
-        except mysql_session.driver().Error as exc:
-            session.fail(f"checking {req.key.name!r} failed: {exc}")
-            return False
-        return bool(row[0] == 1)
+    # -- inspect -------------------------------------------------------------------
 
     def locked(self, alias: str, key: Key) -> bool:
         name = lock_name(database_name(alias), key.name)

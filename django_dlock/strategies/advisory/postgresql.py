@@ -39,17 +39,14 @@ it at once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg.types.numeric import Int4, Int8
 
-from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError
-from django_dlock.identity import current_holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies._pg import (
@@ -60,23 +57,16 @@ from django_dlock.strategies._pg import (
     lock_timeout_ms,
     pg_locks_ids,
 )
-from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire, on_session
-from django_dlock.strategies.advisory.pool import find as find_session
+from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.advisory.session import (
     Session,
-    SessionLost,
-    SessionSwitched,
     Statement,
     WaitCancelled,
 )
-from django_dlock.strategies.advisory.watcher import ensure_watcher
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import fetch_one, lock_connection, require_postgresql
 from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.tables import FENCE_SEQUENCE
-
-if TYPE_CHECKING:
-    from django_dlock.identity import Holder
 
 logger = logging.getLogger("django_dlock")
 
@@ -153,15 +143,6 @@ def _sql(req: Request, fenced: bool = False) -> _Statements:
     return _SQL[(req.shared, len(req.key.advisory), fenced)]
 
 
-def _failed(req: Request, exc: Exception) -> DLockError:
-    if isinstance(exc, psycopg.errors.UndefinedTable):
-        return DLockError(
-            f"the {FENCE_SEQUENCE} sequence is missing on database "
-            f"{req.alias!r}: run `python manage.py migrate django_dlock`"
-        )
-    return DLockError(f"the advisory lock statement for {req.key.name!r} failed: {exc}")
-
-
 class AdvisoryStrategy(SessionAsyncAcquire):
     """Session-level advisory locks on dedicated sessions (module docstring)."""
 
@@ -171,60 +152,19 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         require_postgresql(self.name, connection)
 
-    # -- acquire ---------------------------------------------------------------
+    # -- the statements ------------------------------------------------------------
 
-    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
-        return self._acquire(req, deadline, current_holder, None)
-
-    def try_acquire(self, req: Request) -> int | None:
-        grant = self._acquire(req, Deadline(0), current_holder, None)
-        if grant is None:
-            return None
-        return 0 if grant.fence is None else grant.fence
-
-    def _acquire(
-        self,
-        req: Request,
-        deadline: Deadline,
-        holder: Callable[[], Holder | None],
-        waiter: AsyncWait | None,
-    ) -> Grant | None:
-        if waiter is not None and waiter.cancelled:
-            return None
-        return on_session(
-            req, holder, lambda session: self._acquire_on(session, req, deadline, waiter)
-        )
-
-    def _acquire_on(
-        self,
-        session: Session,
-        req: Request,
-        deadline: Deadline,
-        waiter: AsyncWait | None,
+    def _take(
+        self, session: Session, req: Request, deadline: Deadline, waiter: AsyncWait | None
     ) -> Grant | None:
         fenced = fencing()
         sql = _sql(req, fenced)
-        if waiter is not None:
-            waiter.session = session
-        try:
-            value = session.run(sql.try_, lock_params(req.key))[0]
-            fence = None if value is None else int(value)
-            if fence is None and not deadline.expired():
-                fence = self._wait(session, req, sql, deadline, waiter)
-        except (SessionLost, SessionSwitched):
-            raise  # the session is gone: it holds nothing
-        except BaseException as exc:
-            self._settle(session, req)
-            if isinstance(exc, psycopg.Error):
-                raise _failed(req, exc) from exc
-            raise
+        value = session.run(sql.try_, lock_params(req.key))[0]
+        fence = None if value is None else int(value)
+        if fence is None and not deadline.expired():
+            fence = self._wait(session, req, sql, deadline, waiter)
         if fence is None:
             return None
-        session.held[req.key.name] = req.shared
-        if waiter is not None and waiter.cancelled:
-            self.release(req)  # the task is gone: give it back
-            return None
-        ensure_watcher()
         return Grant(fence if fenced else None)
 
     def _wait(
@@ -264,47 +204,24 @@ class AdvisoryStrategy(SessionAsyncAcquire):
                 continue
             return int(row[0])
 
-    def _settle(self, session: Session, req: Request) -> None:
-        """After a failed acquisition: make sure the session does not hold the key."""
-        if session.lost is not None or req.key.name in session.held:
-            return
-        sql = _sql(req)
-        try:
-            if session.run(sql.holds, holds_params(req))[0] == b"t":
-                session.run(sql.unlock, lock_params(req.key))
-        except Exception as exc:
-            # In doubt: end the session, which frees whatever it holds.
-            session.fail(f"could not settle a failed acquisition of {req.key.name!r}: {exc}")
+    def _holds(self, session: Session, req: Request) -> bool:
+        return bool(session.run(_sql(req).holds, holds_params(req))[0] == b"t")
 
-    # -- release, extend, inspect ------------------------------------------------
+    def _unlock(self, session: Session, req: Request) -> bool:
+        return bool(session.run(_sql(req).unlock, lock_params(req.key))[0] == b"t")
 
-    def release(self, req: Request) -> bool:
-        session = find_session(req.alias, req.token)
-        if session is None or req.key.name not in session.held:
-            return False
-        try:
-            unlocked = session.run(_sql(req).unlock, lock_params(req.key))[0] == b"t"
-        except (SessionLost, SessionSwitched):
-            return False
-        except psycopg.Error as exc:
-            session.fail(f"releasing {req.key.name!r} failed: {exc}")
-            return False
-        session.held.pop(req.key.name, None)
-        session.pool.done(session)
-        return unlocked
+    def _database_error(self) -> type[Exception]:
+        return psycopg.Error
 
-    def owned(self, req: Request) -> bool:
-        session = find_session(req.alias, req.token)
-        if session is None or session.lost is not None or req.key.name not in session.held:
-            return False
-        try:
-            row = session.run(_sql(req).holds, holds_params(req))
-        except (SessionLost, SessionSwitched):
-            return False
-        except psycopg.Error as exc:
-            session.fail(f"checking {req.key.name!r} failed: {exc}")
-            return False
-        return row[0] == b"t"
+    def _failed(self, req: Request, exc: Exception) -> DLockError:
+        if isinstance(exc, psycopg.errors.UndefinedTable):
+            return DLockError(
+                f"the {FENCE_SEQUENCE} sequence is missing on database "
+                f"{req.alias!r}: run `python manage.py migrate django_dlock`"
+            )
+        return DLockError(f"the advisory lock statement for {req.key.name!r} failed: {exc}")
+
+    # -- inspect -------------------------------------------------------------------
 
     def locked(self, alias: str, key: Key) -> bool:
         sql = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE " + PG_LOCKS_MATCH + ")"
