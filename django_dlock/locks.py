@@ -19,6 +19,11 @@ A ``Lock`` object holds no lock state of its own: what is held belongs to the
 see :mod:`django_dlock.identity`). One ``Lock`` object can therefore be shared
 freely, for instance as a decorator called from many threads, and its
 properties (``fence``, ``lost``, ``token``) answer for the calling holder.
+
+This module is the API; the work is done below it: :mod:`django_dlock.holdings`
+(what a holder holds: re-entry, renewal, loss, release),
+:mod:`django_dlock.acquiring` (taking keys in order, all or none, sync or
+async) and :mod:`django_dlock.two_phase` (``enqueue`` / ``wait``).
 """
 
 from __future__ import annotations
@@ -67,7 +72,6 @@ __all__ = ["Lock", "lock"]
 logger = logging.getLogger("django_dlock")
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 
 
 def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
