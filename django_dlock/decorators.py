@@ -261,20 +261,22 @@ class _WithLock:
             return cast(F, self._wrap_async(func, sig))
         return cast(F, self._wrap_sync(func, sig))
 
+    def _prepare(
+        self, sig: inspect.Signature | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Lock, Callable[[], Contention]]:
+        """The lock for one call, and how to describe its contention."""
+        request = _request_of(args)
+        lk = self.lock_for(sig, request, args, kwargs)
+        return lk, lambda: self.contention(lk, request, args, kwargs)
+
     def _wrap_sync(
         self, func: Callable[..., Any], sig: inspect.Signature | None
     ) -> Callable[..., Any]:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            request = _request_of(args)
-            lk = self.lock_for(sig, request, args, kwargs)
-            return guarded_call(
-                lk,
-                lambda: func(*args, **kwargs),
-                lambda: answer_contention(
-                    self.on_contention, self.contention(lk, request, args, kwargs)
-                ),
-            )
+            lk, contention = self._prepare(sig, args, kwargs)
+            refused = lambda: answer_contention(self.on_contention, contention())  # noqa: E731
+            return guarded_call(lk, lambda: func(*args, **kwargs), refused)
 
         return wrapper
 
@@ -283,15 +285,9 @@ class _WithLock:
     ) -> Callable[..., Any]:
         @functools.wraps(func)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            request = _request_of(args)
-            lk = self.lock_for(sig, request, args, kwargs)
-            return await aguarded_call(
-                lk,
-                lambda: func(*args, **kwargs),
-                lambda: aanswer_contention(
-                    self.on_contention, self.contention(lk, request, args, kwargs)
-                ),
-            )
+            lk, contention = self._prepare(sig, args, kwargs)
+            refused = lambda: aanswer_contention(self.on_contention, contention())  # noqa: E731
+            return await aguarded_call(lk, lambda: func(*args, **kwargs), refused)
 
         return wrapper
 
