@@ -22,7 +22,8 @@ from django_dlock import notify
 from django_dlock.keys import make_key
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Request
-from django_dlock.strategies.lease import _PG_RELEASE_SQL, lease
+from django_dlock.strategies.lease import lease, waiting
+from django_dlock.strategies.lease.sql import PG_RELEASE_SQL
 
 from .helpers import wait_until
 
@@ -103,7 +104,7 @@ def test_a_ticket_waits_for_a_release_in_flight(pg):
     assert lease.try_acquire(holder) is not None
     releasing = _raw(pg)
     try:
-        found = releasing.execute(_PG_RELEASE_SQL[True], [holder.key.name, holder.token]).fetchone()
+        found = releasing.execute(PG_RELEASE_SQL[True], [holder.key.name, holder.token]).fetchone()
         assert found is not None  # released, not yet committed
         thread, out = _in_background(lambda: queue.enqueue(waiter))
         wait_until(lambda: _blocked_by(pg, releasing.info.backend_pid))
@@ -111,7 +112,7 @@ def test_a_ticket_waits_for_a_release_in_flight(pg):
         thread.join(30)
         (ticket,) = out
         assert isinstance(ticket, int)
-        look = lease._look(waiter, ticket)
+        look = waiting.look(waiter, ticket)
         assert look.left <= 0 and not look.ahead
         assert lease.try_acquire(waiter, ticket) is not None
     finally:

@@ -162,7 +162,10 @@ class RowStrategy(TransactionScoped):
         while True:
             got, fence, present = self._try(connection, req)
             if not got and present and not deadline.expired():
-                got, fence, present = self._wait(connection, req, deadline, policy)
+                if connection.vendor == "postgresql":
+                    got, fence, present = self._pg_wait(connection, req, deadline)
+                else:
+                    got, fence, present = self._mysql_wait(connection, req, deadline, policy)
             if got:
                 self.remember(connection, req)
                 return Grant(fence)
@@ -190,17 +193,6 @@ class RowStrategy(TransactionScoped):
             cur.execute(_MYSQL_TRY, [req.key.name, req.key.name])
             row = cur.fetchone()
         return row[0] is not None, None, bool(row[1])
-
-    def _wait(
-        self,
-        connection: BaseDatabaseWrapper,
-        req: Request,
-        deadline: Deadline,
-        policy: RetryInterval,
-    ) -> tuple[bool, int | None, bool]:
-        if connection.vendor == "postgresql":
-            return self._pg_wait(connection, req, deadline)
-        return self._mysql_wait(connection, req, deadline, policy)
 
     def _pg_wait(
         self, connection: BaseDatabaseWrapper, req: Request, deadline: Deadline

@@ -1,0 +1,118 @@
+"""Taking a lease: one try, for a newcomer or for a waiter with a ticket.
+
+On PostgreSQL and SQLite a try is one statement; on MySQL/MariaDB it is one
+short transaction that locks the row, decides and writes. A try succeeds
+when the lease has ended and no live ticket is ahead of the caller's place,
+or when the lease is already the caller's (a retried acquire keeps its
+fencing number). A granted ticket is deleted with the grant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import IntegrityError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_dlock import dbclock
+from django_dlock.conf import conf
+from django_dlock.strategies import queue
+from django_dlock.strategies.base import Request
+from django_dlock.strategies.connection import cursor, fetch_one, with_reconnect
+from django_dlock.strategies.lease.sql import (
+    MYSQL_AHEAD,
+    MYSQL_FLOOR,
+    MYSQL_INSERT,
+    MYSQL_SELECT,
+    MYSQL_TAKE,
+    PG_ACQUIRE_SQL,
+    PG_ACQUIRE_TICKET_SQL,
+    SQLITE_ACQUIRE,
+    WAITERS,
+)
+
+
+def try_acquire(req: Request, ticket: int | None = None) -> int | None:
+    """Take the lease if it is free and no live ticket is ahead; the fencing number.
+
+    Without ``ticket`` (a newcomer) every live ticket is ahead. With it,
+    the granted ticket is deleted.
+    """
+    # Retrying after a dropped connection is safe: the same token
+    # re-acquires its own lease with the same fencing number.
+    fence, _ = with_reconnect(req.alias, lambda connection: acquire_on(connection, req, ticket))
+    if ticket is not None and fence is not None:
+        queue.done(ticket)
+    return fence
+
+
+def acquire_on(connection: BaseDatabaseWrapper, req: Request, ticket: int | None) -> int | None:
+    """One try on ``connection``: the fencing number, or ``None`` if not granted."""
+    vendor = dbclock.vendor(connection)
+    if vendor == "mysql":
+        return _mysql_acquire(connection, req, ticket)
+    name, token = req.key.name, req.token
+    place = queue.NEWCOMER if ticket is None else ticket
+    params = [name, token, req.owner, req.ttl, name, place, name, token, place]
+    if vendor == "postgresql":
+        if ticket is not None:
+            sql = PG_ACQUIRE_TICKET_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+            row = fetch_one(connection, sql, [*params, ticket], True)
+            return None if row is None else int(row[0])
+        sql = PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+    else:
+        sql = SQLITE_ACQUIRE
+    row = fetch_one(connection, sql, params, True)
+    if row is None:
+        return None
+    if ticket is not None:
+        queue.forget(connection, ticket)
+    return int(row[0])
+
+
+def _mysql_acquire(connection: BaseDatabaseWrapper, req: Request, ticket: int | None) -> int | None:
+    # One short transaction: lock the row, decide, write. A missing row
+    # is inserted above the fence floor; two racing inserters are told
+    # apart by the unique index (the loser retries once).
+    for _attempt in range(2):
+        with cursor(connection) as cur:
+            cur.execute("START TRANSACTION")
+            try:
+                fence = _mysql_take(cur, req, ticket)
+            except IntegrityError:
+                cur.execute("ROLLBACK")
+                continue
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT" if fence is not None else "ROLLBACK")
+            return fence
+    return None
+
+
+def _mysql_take(cur: Any, req: Request, ticket: int | None) -> int | None:
+    place = queue.NEWCOMER if ticket is None else ticket
+    cur.execute(MYSQL_SELECT, [req.key.name, place, req.key.name])
+    row = cur.fetchone()
+    if row is None:
+        # No row (never used, or deleted by cleanup): live tickets still go first.
+        cur.execute(MYSQL_AHEAD, [req.key.name, place])
+        if cur.fetchone()[0]:
+            return None
+        cur.execute(MYSQL_FLOOR)
+        floor = cur.fetchone()
+        fence = (int(floor[0]) if floor else 0) + 1
+        cur.execute(MYSQL_INSERT, [req.key.name, req.token, req.owner, fence, req.ttl])
+    else:
+        token, free, fence, ahead = row[0], bool(row[1]), int(row[2]), bool(row[3])
+        own = token == req.token and not free
+        if own:
+            pass
+        elif free and not ahead:
+            fence += 1
+        else:
+            return None
+        cur.execute(MYSQL_TAKE, [own, req.token, req.owner, fence, req.ttl, req.key.name])
+    if ticket is not None:
+        cur.execute(f"DELETE FROM {WAITERS} WHERE id = %s", [ticket])
+    return fence

@@ -1,0 +1,297 @@
+"""The lease strategy's operations: acquire (sync and async), release, extend, inspect.
+
+What the statements do, and how fencing numbers and durability work, is
+described in :mod:`django_dlock.strategies.lease`. The statements are in
+:mod:`.sql`, one try to take the lease in :mod:`.acquire`, a waiter's plan
+in :mod:`.waiting`, and an async step's cancellation in :mod:`.handoff`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+
+from asgiref.sync import sync_to_async
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_dlock import dbclock, notify
+from django_dlock._threads import start_db_thread
+from django_dlock.conf import RetryInterval, conf
+from django_dlock.exceptions import StrategyNotSupported
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline
+from django_dlock.strategies import queue
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import (
+    cursor,
+    execute,
+    fetch_one,
+    lock_connection,
+    with_reconnect,
+)
+from django_dlock.strategies.lease.acquire import acquire_on, try_acquire
+from django_dlock.strategies.lease.handoff import attempt
+from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
+from django_dlock.strategies.lease.waiting import TicketWait
+
+
+class LeaseStrategy:
+    """Lease rows in the ``Lock`` table (see :mod:`django_dlock.strategies.lease`)."""
+
+    name = "lease"
+    family = "lease"
+    #: a lease outlives the caller's transaction (released or expired, never rolled back)
+    transaction_scoped = False
+
+    def ended(self, req: Request) -> bool:
+        return False  # a lease ends by release, expiry or takeover, never on its own
+
+    def check_supported(self, connection: BaseDatabaseWrapper) -> None:
+        if connection.vendor not in ("postgresql", "sqlite", "mysql"):
+            raise StrategyNotSupported(
+                f"the lease strategy does not support the {connection.vendor!r} database"
+            )
+
+    # -- acquire ---------------------------------------------------------------
+
+    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+        fence = self.try_acquire(req)
+        if fence is not None:
+            return Grant(fence)
+        if deadline.expired():
+            return None
+        ticket = queue.enqueue(req)
+        return self.wait_ticket(req, ticket, deadline, policy)
+
+    def try_acquire(self, req: Request, ticket: int | None = None) -> int | None:
+        """Take the lease if it is free and no live ticket is ahead; the fencing number.
+
+        Without ``ticket`` (a newcomer) every live ticket is ahead. With it,
+        the granted ticket is deleted.
+        """
+        return try_acquire(req, ticket)
+
+    def _acquire_on(
+        self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
+    ) -> int | None:
+        return acquire_on(connection, req, ticket)
+
+    def wait_ticket(
+        self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        """Wait with ``ticket`` until granted (the ticket is then gone) or the deadline.
+
+        The place is given up (the ticket deleted) on a timeout or an error.
+        """
+        wait: TicketWait | None = None
+        try:
+            waiter = notify.Waiter()
+            wait = TicketWait(req, ticket, deadline, policy, waiter)
+            if wait.listen is not None:
+                wait.listen.wait_ready(min(1.0, deadline.remaining()))
+            with contextlib.closing(wait):
+                for kind, pause in wait:
+                    if kind == "sleep":
+                        wait.reply = waiter.thread_event.wait(pause)
+                        waiter.clear()
+                    else:
+                        wait.reply = wait.step(kind)
+            return wait.grant
+        finally:
+            if wait is None or wait.grant is None:
+                queue.leave(req.alias, ticket)
+
+    async def aacquire(
+        self, req: Request, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        fence = await attempt(functools.partial(self.try_acquire, req), req, self.release)
+        if fence is not None:
+            return Grant(fence)
+        if deadline.expired():
+            return None
+        ticket = await self.aenqueue(req)
+        return await self.await_ticket(req, ticket, deadline, policy)
+
+    async def aenqueue(self, req: Request) -> int:
+        """Take a ticket off the event loop; a cancellation meanwhile leaves none behind."""
+        task = asyncio.ensure_future(sync_to_async(queue.enqueue)(req))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def done(finished: asyncio.Future[int]) -> None:
+                if not finished.cancelled() and finished.exception() is None:
+                    start_db_thread(
+                        functools.partial(queue.leave, req.alias, finished.result()),
+                        "django-dlock-give-back",
+                    )
+
+            task.add_done_callback(done)
+            raise
+
+    async def await_ticket(
+        self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        """Async :meth:`wait_ticket`: a cancelled wait leaves no ticket and no lock."""
+        wait: TicketWait | None = None
+        try:
+            waiter = notify.Waiter(asyncio.get_running_loop())
+            wait = TicketWait(req, ticket, deadline, policy, waiter)
+            woken = waiter.async_event
+            assert woken is not None
+            if wait.listen is not None:
+                await sync_to_async(wait.listen.wait_ready, thread_sensitive=False)(
+                    min(1.0, deadline.remaining())
+                )
+            with contextlib.closing(wait):
+                for kind, pause in wait:
+                    if kind == "sleep":
+                        wait.reply = False
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            wait.reply = await asyncio.wait_for(woken.wait(), pause)
+                        waiter.clear()
+                    else:
+                        step = functools.partial(wait.step, kind)
+                        wait.reply = await attempt(step, req, self.release)
+            return wait.grant
+        finally:
+            if wait is None or wait.grant is None:
+                leave = sync_to_async(queue.leave)
+                await asyncio.shield(leave(req.alias, ticket))
+
+    # -- release, extend, inspect ---------------------------------------------
+
+    def release(self, req: Request) -> bool:
+        released, retried = with_reconnect(
+            req.alias, lambda connection: self._release_on(connection, req)
+        )
+        if not released and retried:
+            # The first try may have released before its connection dropped:
+            # a free row (empty token) means nobody else holds it.
+            found = read(req.alias, f"SELECT token FROM {TABLE} WHERE name = %s", [req.key.name])
+            return found is None or found[0] == ""
+        return released
+
+    def _release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
+        if connection.vendor == "postgresql":
+            sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+            return fetch_one(connection, sql, [req.key.name, req.token]) is not None
+        now = dbclock.now_sql(connection)
+        sql = (
+            f"UPDATE {TABLE} SET token = '', expire_at = {now} "
+            f"WHERE name = %s AND token = %s AND expire_at > {now}"
+        )
+        return bool(execute(connection, sql, [req.key.name, req.token])[1])
+
+    def extend(self, req: Request, ttl: float) -> bool:
+        extended, _ = with_reconnect(
+            req.alias, lambda connection: self._extend_on(connection, req, ttl)
+        )
+        return extended
+
+    def _extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
+        now = dbclock.now_sql(connection)
+        now_plus = dbclock.now_plus_sql(connection)
+        fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
+        returning = f" RETURNING 1{FAST_COMMIT}" if fast else ""
+        # A lease that has run out is not revived, even if nobody took it.
+        sql = (
+            f"UPDATE {TABLE} SET expire_at = {now_plus} "
+            f"WHERE name = %s AND token = %s AND expire_at > {now}"
+        )
+        return bool(execute(connection, sql + returning, [ttl, req.key.name, req.token])[1])
+
+    def release_after(self, req: Request, min_hold: float) -> bool:
+        """Release, but keep the lease until ``acquired_at + min_hold`` (database time).
+
+        One statement: the token is cleared (nobody, not even the caller,
+        can re-enter) and ``expire_at`` becomes the later of now and
+        ``acquired_at + min_hold``. Used by :class:`~django_dlock.TaskLock`.
+        ``False`` if the caller no longer holds the lease.
+        """
+        connection = lock_connection(req.alias)
+        vendor = dbclock.vendor(connection)
+        now = dbclock.now_sql(connection)
+        later = {
+            "postgresql": "GREATEST({now}, "
+            "COALESCE(acquired_at + %s * interval '1 second', {now}))",
+            "sqlite": "MAX({now}, COALESCE(strftime('%%Y-%%m-%%d %%H:%%M:%%f', acquired_at, "
+            "%s || ' seconds'), {now}))",
+            "mysql": "GREATEST({now}, COALESCE(acquired_at + INTERVAL ROUND(%s * 1000000) "
+            "MICROSECOND, {now}))",
+        }[vendor].format(now=now)
+        with cursor(connection) as cur:
+            cur.execute(
+                f"UPDATE {TABLE} SET expire_at = {later}, token = '' "
+                f"WHERE name = %s AND token = %s AND expire_at > {now}",
+                [float(min_hold), req.key.name, req.token],
+            )
+            return bool(cur.rowcount)
+
+    def take_over(self, req: Request, over: str) -> int | None:
+        """PostgreSQL: acquire like :meth:`try_acquire`, also over a live lease
+        whose token starts with ``over``.
+
+        For a caller that already proved by other means (an advisory lock)
+        that the holder of such a lease is gone: ``LeaderElection`` with the
+        advisory strategy records its leader here. Returns the fencing
+        number, or ``None`` if a live lease of another kind holds the row.
+        """
+        connection = lock_connection(req.alias)
+        if connection.vendor != "postgresql":
+            raise StrategyNotSupported("take_over needs PostgreSQL")
+        pattern = over.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        row = fetch_one(
+            connection,
+            PG_TAKE_OVER,
+            [req.key.name, req.token, req.owner, req.ttl, pattern],
+        )
+        return None if row is None else int(row[0])
+
+    def locked(self, alias: str, key: Key) -> bool:
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND expire_at > {{now}}"
+        return read(alias, sql, [key.name]) is not None
+
+    def owned(self, req: Request) -> bool:
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {{now}}"
+        return read(req.alias, sql, [req.key.name, req.token]) is not None
+
+    def loss_reason(self, req: Request) -> str:
+        """Why ``req``'s lease is no longer the caller's, from what its row says now.
+
+        One read, only after an extend, release or check has failed: the
+        row's token was cleared (force-released in the admin or with
+        ``dlock_release``), belongs to someone else (taken over after the
+        lease ran out), is still the caller's but expired (nobody took it),
+        or the row is gone (deleted).
+        """
+        found = read(
+            req.alias,
+            f"SELECT token, CASE WHEN expire_at > {{now}} THEN 1 ELSE 0 END "
+            f"FROM {TABLE} WHERE name = %s",
+            [req.key.name],
+        )
+        if found is None:
+            return "its row was deleted (force-released and cleaned up)"
+        token, live = found[0], bool(found[1])
+        if token == req.token:
+            return "its lease expired on the database clock (nobody has taken it since)"
+        if token == "":
+            return (
+                "it was force-released (in the admin or with dlock_release), "
+                "or it expired and another holder took it and released it since"
+            )
+        if live:
+            return "its lease expired and was taken over by another holder"
+        return (
+            "its lease expired and was taken over by another holder (whose lease has run out since)"
+        )
+
+    def seconds_left(self, alias: str, key: Key) -> float:
+        """Seconds until the current lease of ``key`` ends (<= 0: free now)."""
+        found = read(alias, f"SELECT {{left}} FROM {TABLE} WHERE name = %s", [key.name])
+        return -1.0 if found is None or found[0] is None else float(found[0])
+
+
+lease = LeaseStrategy()

@@ -1,0 +1,217 @@
+"""How a lease waiter with a ticket waits: one plan for a sync and an async driver.
+
+A waiter holds a ticket in the key's queue (see
+:mod:`django_dlock.strategies.queue`). Its wait is a generator of steps
+(:func:`plan`): "look" (renew the ticket when due and read how long
+the current lease runs), "try" (take the lease with the ticket) and "sleep"
+(park until woken or the pause ends). A :class:`TicketWait` hands them to a
+driver, which runs each its own way (``LeaseStrategy.wait_ticket`` in the
+calling thread, ``LeaseStrategy.await_ticket`` off the event loop) and
+replies with what it got, so both follow the same plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import InterfaceError, OperationalError, connections
+
+from django_dlock import notify
+from django_dlock.conf import RetryInterval
+from django_dlock.retry import Deadline, interval
+from django_dlock.strategies import queue
+from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.lease.acquire import try_acquire
+from django_dlock.strategies.lease.sql import TABLE, WAITERS, read
+
+#: longest a PostgreSQL waiter parks between checks when it relies on NOTIFY
+MAX_PARK = 2.0
+#: margin after a lease's end before a waiter looks again
+EXPIRY_MARGIN = 0.005
+
+#: longest pause between looks while the database is unreachable
+MAX_OUTAGE_PAUSE = 1.0
+
+# One step of the waiting plan: ("look" | "try" | "sleep", seconds to sleep)
+Step = tuple[str, float]
+
+logger = logging.getLogger("django_dlock")
+
+
+@dataclass
+class Look:
+    """What a waiter saw: seconds until the lease ends (<= 0: free), and
+    whether a live ticket is ahead of its own."""
+
+    left: float
+    ahead: bool
+
+
+@dataclass
+class Place:
+    """A waiter's ticket, and when (monotonic) it last renewed it."""
+
+    ticket: int
+    renewed: float = field(default_factory=time.monotonic)
+
+
+class Outage:
+    """A waiter's step failed because the database was unreachable."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def listener(alias: str) -> notify.Listener | None:
+    """The alias's NOTIFY listener on PostgreSQL; ``None`` elsewhere (waiters poll)."""
+    if connections[alias].vendor != "postgresql":
+        return None
+    return notify.listener(alias)
+
+
+class TicketWait:
+    """One waiter's wait with its ticket, iterated by a driver.
+
+    Iterating gives the steps of :func:`plan`; the driver runs each (a
+    "sleep" on :attr:`waiter`, a "look" or "try" with :meth:`step`) and sets
+    :attr:`reply` to what it got before asking for the next. When the
+    iteration ends, :attr:`grant` says how the wait ended. The wake-up is
+    registered at the first step, before the first look, and unregistered
+    when the plan ends or at :meth:`close`.
+    """
+
+    place: Place
+
+    def __init__(
+        self,
+        req: Request,
+        ticket: int,
+        deadline: Deadline,
+        policy: RetryInterval,
+        waiter: notify.Waiter,
+    ) -> None:
+        self.req = req
+        self.ticket = ticket
+        self.listen = listener(req.alias)
+        self.waiter = waiter
+        #: what the driver got from the last step
+        self.reply: Any = None
+        #: the grant once the iteration has ended; ``None``: timed out (or not yet)
+        self.grant: Grant | None = None
+        self._steps = self._run(deadline, policy)
+
+    def __iter__(self) -> TicketWait:
+        return self
+
+    def __next__(self) -> Step:
+        reply, self.reply = self.reply, None
+        try:
+            return self._steps.send(reply)
+        except StopIteration as done:
+            self.grant = done.value
+            raise
+
+    def close(self) -> None:
+        """End the wait early (an error, a cancellation): unregister the wake-up."""
+        self._steps.close()
+
+    def step(self, kind: str) -> Any:
+        """Run a "look" or a "try" step in this thread (see :func:`step`)."""
+        return step(kind, self.place, self.req)
+
+    def _run(self, deadline: Deadline, policy: RetryInterval) -> Generator[Step, Any, Grant | None]:
+        payload = queue.wake_payload(self.ticket)
+        if self.listen is not None:
+            self.listen.register(payload, self.waiter)
+        try:
+            self.place = Place(self.ticket)
+            fence = yield from plan(deadline, policy, self.listen)
+        finally:
+            if self.listen is not None:
+                self.listen.unregister(payload, self.waiter)
+        return None if fence is None else Grant(fence)
+
+
+def plan(
+    deadline: Deadline, policy: RetryInterval, listen: notify.Listener | None
+) -> Generator[Step, Any, int | None]:
+    """How a waiter with a ticket waits, as steps for a sync or an async driver.
+
+    Each turn tries to take the lease with the ticket (granted only when
+    the lease is free and no live ticket is ahead), else renews the
+    ticket and reads how long the current lease runs. The first turn
+    comes right after the ticket was taken and the wake-up registered,
+    so a release in between is never slept through. Between turns, park
+    until a NOTIFY addressed to this ticket wakes us (PostgreSQL) or the
+    retry interval passes (elsewhere), never past the end of the current
+    lease, the deadline, or a quarter of the ticket's own lease.
+
+    A waiter rides out an outage of the database (a restart, a dropped
+    connection): it backs off and looks again until its deadline, and
+    then raises the database's error rather than report a timeout.
+    """
+    attempt = 0
+    woken = False
+    while True:
+        # Woken by a NOTIFY addressed to this ticket: try at once.
+        look: Look | Outage = Look(0.0, False) if woken else (yield ("look", 0.0))
+        if not isinstance(look, Outage) and look.left <= 0 and not look.ahead:
+            fence: int | None | Outage = yield ("try", 0.0)
+            if isinstance(fence, Outage):
+                look = fence
+            elif fence is not None:
+                return fence
+        if isinstance(look, Outage):
+            if deadline.expired():
+                raise look.error
+            pause = min(MAX_OUTAGE_PAUSE, max(0.05, interval(policy, attempt)))
+            yield ("sleep", min(pause, deadline.remaining()))
+            attempt += 1
+            woken = False
+            continue
+        if deadline.expired():
+            return None
+        left = look.left
+        if listen is not None and listen.healthy:
+            pause = MAX_PARK if left <= 0 else min(MAX_PARK, left + EXPIRY_MARGIN)
+        else:
+            pause = interval(policy, attempt)
+            if left > 0:
+                pause = min(pause, left + EXPIRY_MARGIN)
+        pause = min(pause, queue.renew_every())
+        woken = bool((yield ("sleep", max(0.0, min(pause, deadline.remaining())))))
+        attempt += 1
+
+
+def step(kind: str, place: Place, req: Request) -> Any:
+    """A waiter's look ("look": a read, and the ticket's renewal when due) or
+    try ("try": take the lease with the ticket); an :class:`Outage` if the
+    database is away."""
+    try:
+        if kind == "try":
+            return try_acquire(req, place.ticket)
+        now = time.monotonic()
+        if now - place.renewed >= queue.renew_every():
+            queue.beat(req, place.ticket)
+            place.renewed = now
+        return look(req, place.ticket)
+    except (OperationalError, InterfaceError) as exc:
+        logger.warning("django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc)
+        return Outage(exc)
+
+
+def look(req: Request, ticket: int) -> Look:
+    """One read: seconds until the lease ends, and whether a live ticket is ahead."""
+    found = read(
+        req.alias,
+        f"SELECT (SELECT {{left}} FROM {TABLE} WHERE name = %s), "
+        f"CASE WHEN EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = %s "
+        "AND w.expire_at > {now} AND w.id < %s) THEN 1 ELSE 0 END",
+        [req.key.name, req.key.name, ticket],
+    )
+    left = -1.0 if found is None or found[0] is None else float(found[0])
+    return Look(left, bool(found[1]) if found is not None else False)
