@@ -72,9 +72,10 @@ class LeaseStrategy:
         """
         return try_acquire(req, ticket)
 
-    def _acquire_on(
+    def acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
     ) -> int | None:
+        """One try on ``connection`` (a quorum's private connection to one database)."""
         return acquire_on(connection, req, ticket)
 
     def wait_ticket(
@@ -164,7 +165,7 @@ class LeaseStrategy:
 
     def release(self, req: Request) -> bool:
         released, retried = with_reconnect(
-            req.alias, lambda connection: self._release_on(connection, req)
+            req.alias, lambda connection: self.release_on(connection, req)
         )
         if not released and retried:
             # The first try may have released before its connection dropped:
@@ -173,7 +174,8 @@ class LeaseStrategy:
             return found is None or found[0] == ""
         return released
 
-    def _release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
+    def release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
+        """Release on ``connection``; ``False`` if the lease there is no longer ours."""
         if connection.vendor == "postgresql":
             sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
             return fetch_one(connection, sql, [req.key.name, req.token]) is not None
@@ -186,11 +188,12 @@ class LeaseStrategy:
 
     def extend(self, req: Request, ttl: float) -> bool:
         extended, _ = with_reconnect(
-            req.alias, lambda connection: self._extend_on(connection, req, ttl)
+            req.alias, lambda connection: self.extend_on(connection, req, ttl)
         )
         return extended
 
-    def _extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
+    def extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
+        """Renew on ``connection``; ``False`` if the lease there is no longer ours."""
         now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
         fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT

@@ -197,7 +197,7 @@ class QuorumLease:
         mine = dataclasses.replace(req, token=token)
 
         def acquire_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
-            return lambda connection: lease._acquire_on(connection, mine, None)
+            return lambda connection: lease.acquire_on(connection, mine, None)
 
         first = run_round(
             self.aliases, req.ttl, end, acquire_on, lambda fence: fence is not None, self.need
@@ -248,7 +248,7 @@ class QuorumLease:
     ) -> None:
         if done.cancelled() or done.exception() is not None or done.result() is None:
             return
-        submit(alias, mine.ttl, ROUND_FLOOR, lambda c: lease._release_on(c, mine))
+        submit(alias, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
 
     def try_acquire(self, req: Request) -> int | None:
         grant = self.acquire(req, Deadline(0), 0.0)
@@ -280,7 +280,7 @@ class QuorumLease:
             min_hold = self.min_hold
             if min_hold is not None:
                 return lambda connection: release_after_on(connection, mine, min_hold)
-            return lambda connection: lease._release_on(connection, mine)
+            return lambda connection: lease.release_on(connection, mine)
 
         # A database whose acquire is still running is released when it ends.
         late = [alias for alias, future in held.first.items() if not future.done()]
@@ -308,7 +308,7 @@ class QuorumLease:
             end = min(end, started + max(ROUND_FLOOR, within))
 
         def extend_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
-            return lambda connection: lease._extend_on(connection, mine, ttl)
+            return lambda connection: lease.extend_on(connection, mine, ttl)
 
         answer = run_round(self.aliases, ttl, end, extend_on, bool, self.need, wait_all=True)
         if len(answer.accepted) >= self.need and time.monotonic() < validity_end:
