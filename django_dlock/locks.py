@@ -191,12 +191,12 @@ class Lock:
 
     # -- options that default to settings (read and checked at use) ---------
 
-    #: the strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)
     strategy_name = FromSetting[str]("DLOCK_DEFAULT_STRATEGY")
-    #: how long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)
+    """The strategy's name (``DLOCK_DEFAULT_STRATEGY`` unless given)."""
     timeout = FromSetting[float | None]("DLOCK_DEFAULT_TIMEOUT", unset=UNSET)
-    #: the waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)
+    """How long to wait (``DLOCK_DEFAULT_TIMEOUT`` unless given)."""
     retry_interval = FromSetting[RetryInterval]("DLOCK_RETRY_INTERVAL")
+    """The waiting policy (``DLOCK_RETRY_INTERVAL`` unless given)."""
 
     @property
     def ttl(self) -> float:
