@@ -146,3 +146,22 @@ def test_a_loss_reported_through_the_holder_reaches_the_lock_that_holds_the_slot
     with lk:
         assert not lk.lost
     assert len(lost) == 1
+
+
+def test_not_owned_names_the_thread_or_task_that_asked():
+    lk = dlock.lock("api-not-owned")
+    with pytest.raises(dlock.LockNotOwned, match="not held by this thread 'MainThread'"):
+        lk.release()
+    with pytest.raises(dlock.LockNotOwned, match="not held by this thread 'MainThread'"):
+        lk.extend()
+
+    async def in_a_task() -> None:
+        with pytest.raises(dlock.LockNotOwned, match="not held by this task 'releaser'"):
+            await lk.arelease()
+        with pytest.raises(dlock.LockNotOwned, match="not held by this task 'releaser'"):
+            await lk.aextend()
+
+    async def main() -> None:
+        await asyncio.create_task(in_a_task(), name="releaser")
+
+    asyncio.run(main())
