@@ -216,6 +216,35 @@ def test_tasklock_on_a_quorum_runs_once_per_min_hold():
 # -- databases down --------------------------------------------------------------
 
 
+def _end_sessions(alias: str) -> None:
+    """End every session of ``alias``'s database; the database stays up."""
+    connections[alias].close()  # the test's own connection is not the point
+    with connections["default"].cursor() as cur:
+        cur.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            [_database(alias)],
+        )
+
+
+def test_sessions_the_server_ended_are_replaced_without_losing_a_vote():
+    lk = dlock.lock("q-ended", using=QUORUM, ttl=30, timeout=0)
+    with lk:  # each database's worker now keeps a connection
+        pass
+    _end_sessions("q1")
+    _end_sessions("q2")
+    # A kept connection that the server ended fails its statement: that
+    # would cost q1's and q2's votes, and a one-try acquire would fail.
+    assert lk.acquire() is True
+    assert {alias: rows(alias, "lock:q-ended")[0] for alias in QUORUM} == {
+        alias: rows("q3", "lock:q-ended")[0] for alias in QUORUM
+    }
+    _end_sessions("q1")
+    _end_sessions("q2")
+    lk.release()  # reaches every database: no lease is left to run out
+    assert all(not rows(alias, "lock:q-ended")[2] for alias in QUORUM)
+
+
 def test_one_database_down_costs_nothing_but_its_vote(outage):
     take_down("q2")
     lk = dlock.lock("q-one-down", using=QUORUM, ttl=30)

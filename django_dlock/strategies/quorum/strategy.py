@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import random
 import secrets
 import threading
 import time
@@ -147,15 +148,29 @@ class QuorumLease:
         sleep: Callable[[float], Awaitable[None]],
     ) -> Grant | None:
         """Rounds until a majority grants or the deadline passes (the sync
-        :meth:`acquire` runs it with blocking steps)."""
-        tries = 0
+        :meth:`acquire` runs it with blocking steps).
+
+        A round that took some databases but not a majority was a split vote
+        with other contenders: the next round waits, besides the retry
+        policy's pause, a random part of as long as the round took (doubled
+        after each split, up to 8 times), as Redlock advises, so that
+        contenders who keep splitting the votes drift apart instead of
+        meeting again at every round.
+        """
+        tries = splits = 0
         while True:
+            started = time.monotonic()
             outcome = await attempt(req, deadline)
             if isinstance(outcome, Grant):
                 return outcome
             if deadline.expired():
                 return self._gave_up(req, outcome)
-            await sleep(min(interval(policy, tries), deadline.remaining()))
+            pause = interval(policy, tries)
+            if outcome.accepted:
+                spread = (time.monotonic() - started) * min(2**splits, 8)
+                pause += random.uniform(0.0, spread)
+                splits += 1
+            await sleep(min(pause, deadline.remaining()))
             tries += 1
 
     async def _aattempt(self, req: Request, deadline: Deadline) -> Grant | Round:
@@ -239,16 +254,43 @@ class QuorumLease:
     def _release_round(
         self, mine: Request, futures: dict[str, concurrent.futures.Future[Any]]
     ) -> None:
-        """Give back a failed round's leases, also those accepted after we stopped waiting."""
+        """Give back a failed round's leases before the next round starts.
+
+        The leases already taken are released now (waiting at most
+        ``ROUND_FLOOR`` seconds): left to the background, they could still be
+        there when the caller's next round asks, and refuse it (each round has
+        its own token), so that contending processes keep splitting the votes
+        until every lease runs out. Answers still on their way are given back
+        when they arrive.
+        """
+        taken = []
         for alias, future in futures.items():
-            future.add_done_callback(functools.partial(self._give_back_on, alias, mine))
+            if not future.done():
+                future.add_done_callback(functools.partial(self._give_back_on, alias, mine))
+            elif _accepted(future):
+                taken.append(alias)
+        if not taken:
+            return
+
+        def release_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
+            return lambda connection: lease.release_on(connection, mine)
+
+        end = time.monotonic() + ROUND_FLOOR
+        done = run_round(taken, mine.ttl, end, release_on, bool, len(taken), wait_all=True)
+        if done.failed or done.silent:
+            logger.warning(
+                "django-dlock: could not give back %s after a round without a majority "
+                "(%s); it runs out within %g s",
+                mine.key.name,
+                done.why(),
+                mine.ttl,
+            )
 
     def _give_back_on(
         self, alias: str, mine: Request, done: concurrent.futures.Future[Any]
     ) -> None:
-        if done.cancelled() or done.exception() is not None or done.result() is None:
-            return
-        submit(alias, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
+        if _accepted(done):
+            submit(alias, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
 
     def try_acquire(self, req: Request) -> int | None:
         grant = self.acquire(req, Deadline(0), 0.0)
@@ -373,3 +415,8 @@ class QuorumLease:
                 f"({answer.why()})"
             )
         return answer.accepted, len(self.aliases) - len(answer.accepted)
+
+
+def _accepted(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether an acquire's answer took the lease (a fencing number came back)."""
+    return not future.cancelled() and future.exception() is None and future.result() is not None

@@ -117,9 +117,32 @@ def _pool(alias: str) -> concurrent.futures.ThreadPoolExecutor:
     return found
 
 
+#: SQLSTATEs of a session the server ended on its own (``pg_terminate_backend``,
+#: a shutdown, a crash): a statement that meets them never ran
+SESSION_ENDED = ("57P01", "57P02")
+
+
 def _on(alias: str, ttl: float, budget: float, op: Callable[[BaseDatabaseWrapper], Any]) -> Any:
-    """Run ``op`` on this worker's connection to ``alias`` (closed if it broke)."""
+    """Run ``op`` on this worker's connection to ``alias`` (closed if it broke).
+
+    A connection kept from an earlier round may have been ended by the
+    server meanwhile (the database went down and came back): ``op`` then
+    runs once more on a new connection, instead of losing the vote, or,
+    for a release, leaving the lease to run out.
+    """
     connection = _connection(alias, budget)
+    kept = connection.connection is not None
+    try:
+        return _run(connection, ttl, op)
+    except Exception as exc:
+        if not (kept and _session_ended(exc)):
+            raise
+    return _run(_connection(alias, budget), ttl, op)
+
+
+def _run(
+    connection: BaseDatabaseWrapper, ttl: float, op: Callable[[BaseDatabaseWrapper], Any]
+) -> Any:
     try:
         connection.ensure_connection()
         _bound_statements(connection, ttl)
@@ -135,6 +158,16 @@ def _on(alias: str, ttl: float, budget: float, op: Callable[[BaseDatabaseWrapper
             except Exception:
                 connection.connection = None
         raise
+
+
+def _session_ended(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the driver error under it) says the server had ended the session."""
+    found: BaseException | None = exc
+    while found is not None:
+        if getattr(found, "sqlstate", None) in SESSION_ENDED:
+            return True
+        found = found.__cause__
+    return False
 
 
 def _connection(alias: str, budget: float) -> BaseDatabaseWrapper:
