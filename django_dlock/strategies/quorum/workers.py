@@ -17,6 +17,7 @@ every connection; a forked child starts with none.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import os
@@ -117,32 +118,31 @@ def _pool(alias: str) -> concurrent.futures.ThreadPoolExecutor:
     return found
 
 
-#: SQLSTATEs of a session the server ended on its own (``pg_terminate_backend``,
-#: a shutdown, a crash): a statement that meets them never ran
-SESSION_ENDED = ("57P01", "57P02")
-
-
 def _on(alias: str, ttl: float, budget: float, op: Callable[[BaseDatabaseWrapper], Any]) -> Any:
     """Run ``op`` on this worker's connection to ``alias`` (closed if it broke).
 
     A connection kept from an earlier round may have been ended by the
-    server meanwhile (the database went down and came back): ``op`` then
-    runs once more on a new connection, instead of losing the vote, or,
-    for a release, leaving the lease to run out.
+    server meanwhile (the database restarted or failed over, or
+    ``pg_terminate_backend``): when ``op`` fails because that connection
+    is dead, it runs once more on a new one, instead of losing the vote,
+    or, for a release, leaving the lease to run out. (The lease statements
+    are safe to send twice: the same token takes, moves or frees the same
+    lease.)
     """
     connection = _connection(alias, budget)
     kept = connection.connection is not None
     try:
         return _run(connection, ttl, op)
-    except Exception as exc:
-        if not (kept and _session_ended(exc)):
-            raise
+    except Exception:
+        if not kept or connection.connection is not None:
+            raise  # a new connection, or one still usable: the database's own answer
     return _run(_connection(alias, budget), ttl, op)
 
 
 def _run(
     connection: BaseDatabaseWrapper, ttl: float, op: Callable[[BaseDatabaseWrapper], Any]
 ) -> Any:
+    """``op`` on ``connection``; a connection the failure left unusable is closed."""
     try:
         connection.ensure_connection()
         _bound_statements(connection, ttl)
@@ -153,21 +153,10 @@ def _run(
         except Exception:
             usable = False
         if not usable:
-            try:
+            with contextlib.suppress(Exception):
                 connection.close()
-            except Exception:
-                connection.connection = None
+            connection.connection = None
         raise
-
-
-def _session_ended(exc: BaseException) -> bool:
-    """Whether ``exc`` (or the driver error under it) says the server had ended the session."""
-    found: BaseException | None = exc
-    while found is not None:
-        if getattr(found, "sqlstate", None) in SESSION_ENDED:
-            return True
-        found = found.__cause__
-    return False
 
 
 def _connection(alias: str, budget: float) -> BaseDatabaseWrapper:
