@@ -5,12 +5,16 @@ until a majority has decided (accepted, or refused and failed so that no
 majority can accept any more), or until the round's time is up. The
 :class:`Round` it returns says which databases accepted (with their
 answers), refused, failed (with the error) or stayed silent.
+
+:func:`give_back` undoes what a round took: the leases already taken at
+once, those still on their way when their answer arrives.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,7 +23,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.strategies.quorum.workers import submit
 
-__all__ = ["Round", "run_round"]
+__all__ = ["Round", "give_back", "give_back_when_done", "run_round"]
+
+logger = logging.getLogger("django_dlock")
+
+#: how a lease is given back on one database's connection
+Release = Callable[[BaseDatabaseWrapper], Any]
 
 
 @dataclasses.dataclass
@@ -88,3 +97,44 @@ def run_round(
             result.timed_out = True
             break
     return result
+
+
+def accepted(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether an acquire's answer took the lease (a fencing number came back)."""
+    return not future.cancelled() and future.exception() is None and future.result() is not None
+
+
+def give_back_when_done(
+    alias: str, future: concurrent.futures.Future[Any], ttl: float, budget: float, release: Release
+) -> None:
+    """Give ``alias``'s lease back when its acquire answers, if it took it."""
+
+    def done(answer: concurrent.futures.Future[Any]) -> None:
+        if accepted(answer):
+            submit(alias, ttl, budget, release)
+
+    future.add_done_callback(done)
+
+
+def give_back(
+    futures: dict[str, concurrent.futures.Future[Any]], ttl: float, budget: float, release: Release
+) -> None:
+    """Give back what a round without a majority took: the leases already
+    taken now (waiting up to ``budget`` seconds), the others on arrival."""
+    taken = []
+    for alias, future in futures.items():
+        if not future.done():
+            give_back_when_done(alias, future, ttl, budget, release)
+        elif accepted(future):
+            taken.append(alias)
+    if not taken:
+        return
+    end = time.monotonic() + budget
+    done = run_round(taken, ttl, end, lambda alias: release, bool, len(taken), wait_all=True)
+    if done.failed or done.silent:
+        logger.warning(
+            "django-dlock: could not give back a lease of a round without a majority "
+            "(%s); it runs out within %g s",
+            done.why(),
+            ttl,
+        )

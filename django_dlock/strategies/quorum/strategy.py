@@ -35,7 +35,7 @@ from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import execute
 from django_dlock.strategies.lease import lease
 from django_dlock.strategies.quorum.aliases import majority
-from django_dlock.strategies.quorum.rounds import Round, run_round
+from django_dlock.strategies.quorum.rounds import Round, give_back, give_back_when_done, run_round
 from django_dlock.strategies.quorum.statements import (
     LiveRow,
     fence_raise_sql,
@@ -43,7 +43,7 @@ from django_dlock.strategies.quorum.statements import (
     owned_sql,
     release_after_on,
 )
-from django_dlock.strategies.quorum.workers import coordinator, submit
+from django_dlock.strategies.quorum.workers import coordinator
 
 __all__ = [
     "DRIFT_FACTOR",
@@ -231,7 +231,10 @@ class QuorumLease:
                     token, frozenset(raised), validity_end, first.futures
                 )
             return Grant(fence)
-        self._release_round(mine, first.futures)
+        # Given back before the next round: left to the background, a lease
+        # could still be there when the caller's next round asks, and refuse
+        # it (each round has its own token).
+        give_back(first.futures, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
         return first
 
     def _raise_fences(
@@ -250,47 +253,6 @@ class QuorumLease:
             aliases, mine.ttl, validity_end, raise_on, lambda rows: rows > 0, 1, wait_all=True
         )
         return set(done.accepted)
-
-    def _release_round(
-        self, mine: Request, futures: dict[str, concurrent.futures.Future[Any]]
-    ) -> None:
-        """Give back a failed round's leases before the next round starts.
-
-        The leases already taken are released now (waiting at most
-        ``ROUND_FLOOR`` seconds): left to the background, they could still be
-        there when the caller's next round asks, and refuse it (each round has
-        its own token), so that contending processes keep splitting the votes
-        until every lease runs out. Answers still on their way are given back
-        when they arrive.
-        """
-        taken = []
-        for alias, future in futures.items():
-            if not future.done():
-                future.add_done_callback(functools.partial(self._give_back_on, alias, mine))
-            elif _accepted(future):
-                taken.append(alias)
-        if not taken:
-            return
-
-        def release_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
-            return lambda connection: lease.release_on(connection, mine)
-
-        end = time.monotonic() + ROUND_FLOOR
-        done = run_round(taken, mine.ttl, end, release_on, bool, len(taken), wait_all=True)
-        if done.failed or done.silent:
-            logger.warning(
-                "django-dlock: could not give back %s after a round without a majority "
-                "(%s); it runs out within %g s",
-                mine.key.name,
-                done.why(),
-                mine.ttl,
-            )
-
-    def _give_back_on(
-        self, alias: str, mine: Request, done: concurrent.futures.Future[Any]
-    ) -> None:
-        if _accepted(done):
-            submit(alias, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
 
     def try_acquire(self, req: Request) -> int | None:
         grant = self.acquire(req, Deadline(0), 0.0)
@@ -327,8 +289,8 @@ class QuorumLease:
         # A database whose acquire is still running is released when it ends.
         late = [alias for alias, future in held.first.items() if not future.done()]
         for alias in late:
-            give_back = functools.partial(self._give_back_on, alias, mine)
-            held.first[alias].add_done_callback(give_back)
+            release_late = functools.partial(lease.release_on, req=mine)
+            give_back_when_done(alias, held.first[alias], mine.ttl, ROUND_FLOOR, release_late)
         answering = [alias for alias in self.aliases if alias not in late]
         # Done when a majority has released: the others finish in the background.
         answer = run_round(answering, req.ttl, end, release_on, bool, self.need)
@@ -415,8 +377,3 @@ class QuorumLease:
                 f"({answer.why()})"
             )
         return answer.accepted, len(self.aliases) - len(answer.accepted)
-
-
-def _accepted(future: concurrent.futures.Future[Any]) -> bool:
-    """Whether an acquire's answer took the lease (a fencing number came back)."""
-    return not future.cancelled() and future.exception() is None and future.result() is not None
