@@ -27,7 +27,7 @@ from django_dlock import holdings
 from django_dlock._threads import to_the_end
 from django_dlock._unasync import run_to_end
 from django_dlock.exceptions import DLockError
-from django_dlock.holdings import Holding
+from django_dlock.holdings import Holding, Renewal
 from django_dlock.identity import Holder
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
@@ -69,44 +69,45 @@ class Attempt:
         lock, holder = self.lock, self.holder
         try:
             for key in keys:
-                slot = (self.alias, self.strategy.family, key.name)
-                expired = holdings.stale(holder, slot)
-                if expired is not None:
-                    await steps.renew(expired)
-                if lock._reenter(holder, slot):
+                held = holdings.current(holder, (self.alias, self.strategy.family, key.name))
+                if held is not None and holdings.stale(held):
+                    await steps.renew(self, held)
+                if held is not None and lock._reenter(holder, held):
                     self.taken.append(key)
                     continue
                 req = lock._request(holder, self.alias, key)
                 sent_at = time.monotonic()
                 try:
                     with statement_deadline(self.deadline, self.alias):
-                        grant = await steps.attempt(req)
+                        grant = await steps.attempt(self, req)
                 except Abandoned:  # waited past the deadline for a pooler
                     grant = None
                 if grant is None:
                     if not keep:
-                        await steps.undo()
+                        await steps.undo(self)
                     return req
                 self.hold(req, grant, sent_at)
         except BaseException:
-            await steps.undo()
+            await steps.undo(self)
             raise
         return None
 
     def hold(self, req: Request, grant: Grant, sent_at: float) -> None:
         """Record the key of ``req`` as acquired by a statement sent at ``sent_at``."""
-        self.lock._held(
-            self.holder, self.strategy, req, grant.fence, sent_at, self.deadline.elapsed()
-        )
+        lock = self.lock
+        made = Holding(req, self.strategy, grant.fence, lock.signal_sender, on_lost=lock.on_lost)
+        renewal = Renewal(lock.ttl, lock.max_hold) if lock.renew else None
+        wait = self.deadline.elapsed()
+        holdings.take(self.holder, made, sent_at=sent_at, wait=wait, renewal=renewal)
         self.taken.append(req.key)
 
     def run(self, keys: Iterable[Key], *, keep: bool = False) -> Request | None:
         """:meth:`take` in the calling thread."""
-        return run_to_end(self.take(keys, _SyncSteps(self), keep))
+        return run_to_end(self.take(keys, _SYNC, keep))
 
     async def arun(self, keys: Iterable[Key], *, keep: bool = False) -> Request | None:
         """:meth:`take` without blocking the event loop."""
-        return await self.take(keys, _AsyncSteps(self), keep)
+        return await self.take(keys, _ASYNC, keep)
 
     # -- giving back -----------------------------------------------------------
 
@@ -127,42 +128,39 @@ class Attempt:
 class _Steps(Protocol):
     """The database steps of :meth:`Attempt.take`."""
 
-    async def renew(self, holding: Holding) -> None: ...
+    async def renew(self, attempt: Attempt, holding: Holding) -> None: ...
 
-    async def attempt(self, req: Request) -> Grant | None: ...
+    async def attempt(self, attempt: Attempt, req: Request) -> Grant | None: ...
 
-    async def undo(self) -> None: ...
+    async def undo(self, attempt: Attempt) -> None: ...
 
 
 class _SyncSteps:
     """Each step runs in the calling thread (it never suspends)."""
 
-    def __init__(self, attempt: Attempt) -> None:
-        self._attempt = attempt
+    async def renew(self, attempt: Attempt, holding: Holding) -> None:
+        holdings.renew_or_lose(holding, attempt.lock._lease_ttl())
 
-    async def renew(self, holding: Holding) -> None:
-        holdings.renew_or_lose(holding, self._attempt.lock._lease_ttl())
+    async def attempt(self, attempt: Attempt, req: Request) -> Grant | None:
+        return attempt.strategy.acquire(req, attempt.deadline, attempt.lock.retry_interval)
 
-    async def attempt(self, req: Request) -> Grant | None:
-        at = self._attempt
-        return at.strategy.acquire(req, at.deadline, at.lock.retry_interval)
-
-    async def undo(self) -> None:
-        self._attempt.undo()
+    async def undo(self, attempt: Attempt) -> None:
+        attempt.undo()
 
 
 class _AsyncSteps:
     """Each step runs off the event loop; a cancelled task still gives back."""
 
-    def __init__(self, attempt: Attempt) -> None:
-        self._attempt = attempt
+    async def renew(self, attempt: Attempt, holding: Holding) -> None:
+        await sync_to_async(holdings.renew_or_lose)(holding, attempt.lock._lease_ttl())
 
-    async def renew(self, holding: Holding) -> None:
-        await sync_to_async(holdings.renew_or_lose)(holding, self._attempt.lock._lease_ttl())
+    async def attempt(self, attempt: Attempt, req: Request) -> Grant | None:
+        strategy, lock = attempt.strategy, attempt.lock
+        return await strategy.aacquire(req, attempt.deadline, lock.retry_interval)
 
-    async def attempt(self, req: Request) -> Grant | None:
-        at = self._attempt
-        return await at.strategy.aacquire(req, at.deadline, at.lock.retry_interval)
+    async def undo(self, attempt: Attempt) -> None:
+        await attempt.aundo()
 
-    async def undo(self) -> None:
-        await self._attempt.aundo()
+
+_SYNC = _SyncSteps()
+_ASYNC = _AsyncSteps()

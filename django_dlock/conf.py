@@ -215,6 +215,8 @@ class FromSetting(Generic[T]):
     def __get__(self, instance: object, owner: type[Any]) -> T | FromSetting[T]:
         if instance is None:
             return self
-        given = instance.__dict__[self.attr]
-        value: T = checked(self.setting) if given is self.unset else given
+        value: T = instance.__dict__[self.attr]
+        if value is self.unset:
+            # (the cache is read here first: this runs several times per acquire)
+            value = _CHECKED[self.setting] if self.setting in _CHECKED else checked(self.setting)
         return value

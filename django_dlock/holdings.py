@@ -65,14 +65,16 @@ class Holding:
     #: the lost holding this one replaced (re-acquired after the loss): it
     #: comes back when this one is released, so its own levels raise LockLost
     shadowed: Holding | None = None
+    #: where the holder keeps it (see :func:`slot_of`)
+    slot: Slot = field(init=False)
+
+    def __post_init__(self) -> None:
+        req = self.request
+        self.slot = (req.alias, self.strategy.family, req.key.name)  # as slot_of()
 
     @property
     def name(self) -> str:
         return self.request.key.name
-
-    @property
-    def slot(self) -> Slot:
-        return slot_of(self.request, self.strategy)
 
     def may_have_expired(self) -> bool:
         """Whether the lease may have run out (then only the database knows)."""
@@ -144,12 +146,9 @@ def current(holder: Holder, slot: Slot) -> Holding | None:
     return holding
 
 
-def stale(holder: Holder, slot: Slot) -> Holding | None:
-    """The holder's holding in ``slot`` if its lease may have run out."""
-    holding = current(holder, slot)
-    if holding is None or holding.lost or not holding.may_have_expired():
-        return None
-    return holding
+def stale(holding: Holding | None) -> bool:
+    """Whether ``holding`` is held (not known lost) but its lease may have run out."""
+    return holding is not None and not holding.lost and holding.may_have_expired()
 
 
 # -- asking the database ---------------------------------------------------------
@@ -275,17 +274,6 @@ def _renewal_lost(holding: Holding) -> Callable[[str], None]:
     return lost
 
 
-def _forget(holder: Holder, holding: Holding) -> None:
-    """Take ``holding`` out of the holder's table (the one it shadowed comes back)."""
-    slot = holding.slot
-    if holder.holdings.get(slot) is holding:
-        del holder.holdings[slot]
-        holder.losses.pop(slot, None)
-        if holding.shadowed is not None:
-            holder.holdings[slot] = holding.shadowed
-            holder.losses[slot] = holding.shadowed.mark_lost
-
-
 def release_one(holder: Holder, holding: Holding) -> None:
     """Give back one level of ``holding``; the last level releases it in the database.
 
@@ -302,7 +290,13 @@ def release_one(holder: Holder, holding: Holding) -> None:
             raise holding.error()
         return
     req = holding.request
-    _forget(holder, holding)
+    slot = holding.slot
+    if holder.holdings.get(slot) is holding:  # forget it (the one it shadowed comes back)
+        del holder.holdings[slot]
+        holder.losses.pop(slot, None)
+        if holding.shadowed is not None:
+            holder.holdings[slot] = holding.shadowed
+            holder.losses[slot] = holding.shadowed.mark_lost
     renewer_error: BaseException | None = None
     if holding.renewer is not None:
         try:

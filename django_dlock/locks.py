@@ -52,8 +52,8 @@ from django_dlock.exceptions import (
     LockTimeout,
     StrategyNotSupported,
 )
-from django_dlock.holdings import Holding, Renewal
-from django_dlock.identity import Holder, Slot, current_holder
+from django_dlock.holdings import Holding
+from django_dlock.identity import Holder, current_holder
 from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy, supported, traits
@@ -135,6 +135,7 @@ class Lock:
     """
 
     namespace = "lock"
+    signal_sender: type[Lock]
 
     #: places taken by :meth:`enqueue`, by holder token (made on first use)
     _queued_by_holder: dict[str, two_phase.Queued]
@@ -335,20 +336,17 @@ class Lock:
         validated(timeout_error(timeout))
         return timeout
 
-    def _reenter(self, holder: Holder, slot: Slot) -> bool:
-        """Count a re-entry if the holder still holds the key in ``slot``.
+    def _reenter(self, holder: Holder, holding: Holding) -> bool:
+        """Count a re-entry of ``holding``, the holder's holding of a key.
 
         A holding that is lost is not re-entered: the caller contends afresh
         (``False``). (A lease that may have run out was renewed, or found
         lost, just before: see :class:`~django_dlock.acquiring.Attempt`.)
         """
-        holding = holdings.current(holder, slot)
-        if holding is None:
-            return False
         if holding.lost:
             holding.halt_renewal()
             return False
-        name = slot[2]
+        name = holding.name
         if not self.reentrant:
             raise LockReentrantError(
                 f"{name!r} is already held by this {holder.kind} and reentrant=False"
@@ -373,19 +371,6 @@ class Lock:
             ttl=self._lease_ttl(),
             shared=self.shared,
         )
-
-    def _held(
-        self,
-        holder: Holder,
-        strategy: Strategy,
-        req: Request,
-        fence: int | None,
-        sent_at: float,
-        wait: float,
-    ) -> Holding:
-        holding = Holding(req, strategy, fence, sender=Lock, on_lost=self.on_lost)
-        renewal = Renewal(self.ttl, self.max_hold) if self.renew else None
-        return holdings.take(holder, holding, sent_at=sent_at, wait=wait, renewal=renewal)
 
     def acquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Acquire the lock; ``True`` if acquired, ``False`` on timeout.
@@ -453,21 +438,21 @@ class Lock:
                 ``advisory_xact``): the transaction's end releases it.
         """
         holder = current_holder()
-        holdings.release_all(holder, self._to_release(holder))
+        holdings.release_all(holder, self._all_held(holder, releasing=True))
 
     async def arelease(self) -> None:
         """Async :meth:`release`."""
         holder = current_holder()
-        release = functools.partial(holdings.release_all, holder, self._to_release(holder))
+        release = functools.partial(
+            holdings.release_all, holder, self._all_held(holder, releasing=True)
+        )
         await to_the_end(release, f"releasing {self.name!r}")
 
-    def _to_release(self, holder: Holder) -> list[Holding]:
-        """The holder's holdings of every key (refused for a transaction-scoped lock)."""
-        self._refuse_early_release()
-        return self._all_held(holder)
-
-    def _all_held(self, holder: Holder | None = None) -> list[Holding]:
-        """The holdings of every key, or :class:`LockNotOwned`."""
+    def _all_held(self, holder: Holder | None = None, releasing: bool = False) -> list[Holding]:
+        """The holdings of every key, or :class:`LockNotOwned` (and, ``releasing``,
+        :class:`DLockError` for a transaction-scoped lock)."""
+        if releasing:
+            self._refuse_early_release()
         holder = holder or current_holder()
         found = self._holdings(holder)
         if len(found) != len(self.keys):
@@ -697,3 +682,7 @@ def lock(key: LockKey | F | None = None, **options: Any) -> Lock | F:
     if not options and (inspect.isfunction(key) or inspect.ismethod(key)):
         return Lock()(key)
     return Lock(cast("LockKey | None", key), **options)
+
+
+#: the sender of the lock signals, for every kind of lock (``TaskLock`` too)
+Lock.signal_sender = Lock
