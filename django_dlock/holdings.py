@@ -65,12 +65,13 @@ class Holding:
     #: the lost holding this one replaced (re-acquired after the loss): it
     #: comes back when this one is released, so its own levels raise LockLost
     shadowed: Holding | None = None
-    #: where the holder keeps it (see :func:`slot_of`)
+    #: where the holder keeps it: (alias, strategy family, key name); holdings
+    #: of one family are one lock
     slot: Slot = field(init=False)
 
     def __post_init__(self) -> None:
         req = self.request
-        self.slot = (req.alias, self.strategy.family, req.key.name)  # as slot_of()
+        self.slot = (req.alias, self.strategy.family, req.key.name)
 
     @property
     def name(self) -> str:
@@ -119,11 +120,6 @@ class Holding:
                 self.on_lost(self.error())
             except Exception:
                 logger.exception("django-dlock: on_lost callback of %s raised", self.name)
-
-
-def slot_of(req: Request, strategy: Strategy) -> Slot:
-    """Where a holder keeps ``req``'s key: holdings of one family are one lock."""
-    return (req.alias, strategy.family, req.key.name)
 
 
 # -- finding a holding ---------------------------------------------------------
