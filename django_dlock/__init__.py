@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from django_dlock.exceptions import (
+    DatabaseUnavailable,
     DLockError,
     InvalidLockKey,
     LockLost,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DLockError",
+    "DatabaseUnavailable",
     "InvalidLockKey",
     "LeaderElection",
     "Lock",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "DLockError",
+    "DatabaseUnavailable",
     "InvalidLockKey",
     "LockLost",
     "LockNotOwned",
@@ -33,6 +34,17 @@ class QuorumUnavailable(LockTimeout):
 
     Raised instead of a driver error when too few databases answered before
     the timeout: the lock was neither acquired nor refused by a majority.
+    """
+
+
+class DatabaseUnavailable(DLockError):
+    """The lock's database could not be reached, or stopped answering.
+
+    Raised instead of the driver's error (which is chained as
+    ``__cause__``) when a lock statement could not run: the server is down,
+    restarting or failing over, or the connection broke. What state the lock
+    is in depends on the call that raised it; the documentation of each
+    strategy says.
     """
 
 
