@@ -39,3 +39,45 @@ def test_a_printable_name_is_logged_as_it_is(caplog):
     with dlock.lock("plain:name"):
         pass
     assert any("acquired lock:plain:name (" in m for m in messages(caplog))
+
+
+def test_a_free_key_kept_by_queued_waiters_is_not_called_held(caplog):
+    """Only the ticket of a waiter ahead keeps a newcomer out: the message says so."""
+    name = "log-queued-ahead"
+    holder = dlock.lock(name, ttl=30)
+    assert holder.acquire(timeout=0)
+    queued, go = threading.Event(), threading.Event()
+    results: list[bool] = []
+
+    def waiter() -> None:
+        lk = dlock.lock(name)
+        results.append(lk.enqueue())  # False: a ticket in the queue, kept alive
+        queued.set()
+        go.wait(30)
+        results.append(lk.wait(timeout=10))
+        lk.release()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert queued.wait(30)
+        holder.release()  # free now; the waiter's ticket stays ahead
+        caplog.set_level(logging.INFO, logger="django_dlock")
+        assert not dlock.lock(name).acquire(timeout=0)
+    finally:
+        go.set()
+        thread.join(30)
+    assert results == [False, True]
+    warned = [m for m in messages(caplog) if "gave up" in m]
+    assert len(warned) == 1
+    assert "other waiters are queued ahead" in warned[0], warned
+    assert "held by someone else" not in warned[0]
+
+
+def test_a_held_key_is_still_called_held(caplog):
+    caplog.set_level(logging.INFO, logger="django_dlock")
+    with dlock.lock("log-held"):
+        thread = threading.Thread(target=lambda: dlock.lock("log-held").acquire(timeout=0))
+        thread.start()
+        thread.join(30)
+    assert any("log-held is held by someone else; gave up" in m for m in messages(caplog))

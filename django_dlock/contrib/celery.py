@@ -57,7 +57,7 @@ from django_dlock._http import guarded_call
 from django_dlock.conf import conf
 from django_dlock.exceptions import InvalidLockKey
 from django_dlock.keys import MAX_KEY_LENGTH
-from django_dlock.locks import Lock
+from django_dlock.locks import Lock, why_busy
 from django_dlock.tasklock import TaskLock
 
 __all__ = ["SingleInstanceTask"]
@@ -207,12 +207,13 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
     def _locked(self, lk: Lock) -> Any:
         if self.once_per is None and self.on_locked == "retry":
             logger.info(
-                "django-dlock: %s is held: task %s retries in %g s",
+                "django-dlock: %s %s: task %s retries in %g s",
                 lk.name,
+                why_busy(),
                 self.name,
                 self.lock_retry_countdown,
             )
             raise self.retry(countdown=self.lock_retry_countdown)
-        logger.info("django-dlock: skipped task %s: %s is held", self.name, lk.name)
+        logger.info("django-dlock: skipped task %s: %s %s", self.name, lk.name, why_busy())
         signals.lock_skipped.send(type(self), name=lk.name, reason="held")
         return None
