@@ -3,12 +3,18 @@ waiters ahead of a free key, cancelled async acquires."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 
 import pytest
+from asgiref.sync import async_to_sync
+from django.test import override_settings
+from prometheus_client import REGISTRY
 
 import django_dlock as dlock
+from django_dlock import metrics
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default"])
 
@@ -81,3 +87,33 @@ def test_a_held_key_is_still_called_held(caplog):
         thread.start()
         thread.join(30)
     assert any("log-held is held by someone else; gave up" in m for m in messages(caplog))
+
+
+def acquires(outcome: str) -> float:
+    labels = {"strategy": "lease", "outcome": outcome}
+    return REGISTRY.get_sample_value("dlock_acquire_seconds_count", labels) or 0.0
+
+
+def test_a_cancelled_async_acquire_is_counted_cancelled_not_error():
+    name = "metrics-cancelled"
+    with override_settings(DLOCK_METRICS="prometheus"):
+        assert metrics.observer is not None
+        waiters = metrics.observer.waiters
+        before = acquires("cancelled"), acquires("error")
+
+        async def cancel_a_waiting_acquire() -> None:
+            base = waiters._value.get()
+            task = asyncio.ensure_future(dlock.lock(name, timeout=30).aacquire())
+            give_up = time.monotonic() + 30
+            while waiters._value.get() <= base:  # its ticket is in the queue: it waits
+                assert time.monotonic() < give_up and not task.done()
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        with dlock.lock(name, ttl=30):
+            async_to_sync(cancel_a_waiting_acquire)()
+        assert acquires("cancelled") == before[0] + 1
+        assert acquires("error") == before[1]
+        assert not dlock.lock(name).locked()  # the cancelled acquire left nothing held
