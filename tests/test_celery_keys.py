@@ -61,6 +61,10 @@ def test_values_whose_text_was_equal_get_distinct_keys(first: tuple, second: tup
 def test_equal_values_give_equal_keys_whatever_the_order_of_a_dict() -> None:
     assert key({"b": 1, "a": [1, (2, 3)]}, 0) == key({"a": [1, [2, 3]], "b": 1}, 0)
     assert key(datetime.date(2024, 1, 2), 0) == key(datetime.date(2024, 1, 2), 0)
+    assert key({1: "a"}, 0) == key({"1": "a"}, 0)  # as JSON sends it to the worker
+    assert key({1: "a"}, 0) != key({1.0: "a"}, 0)
+    with pytest.raises(InvalidLockKey, match="a key of type tuple"):
+        key({(1, 2): "a"}, 0)
 
 
 def test_a_long_value_is_hashed_into_a_valid_key() -> None:
@@ -83,3 +87,23 @@ def test_a_value_without_stable_text_is_refused_by_name() -> None:
         encode_value(object())
     with pytest.raises(InvalidLockKey):
         key(object(), 0)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        uuid.UUID(int=7),
+        decimal.Decimal("2.50"),
+        datetime.datetime(2024, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
+        datetime.date(2024, 1, 2),
+        (1, "a", None),
+        {1: "a", "b": [True, 1.5]},
+        "ünïcode:\n",
+    ],
+)
+def test_the_worker_locks_the_key_of_a_direct_call(value: Any) -> None:
+    """What Celery's JSON serializer delivers to the worker gives the same key."""
+    from kombu.utils.json import dumps, loads
+
+    delivered = loads(dumps([value, 0]))
+    assert key(*delivered) == key(value, 0)

@@ -82,8 +82,8 @@ def encode_value(value: object) -> str:
     """One argument value as text, distinct for distinct values and types.
 
     JSON values are their compact JSON literal (``42``, ``"42"``, ``null``,
-    ``true``, ``[1,"a"]``, a dict with its keys sorted); a tuple is a list, as
-    Celery's JSON serializer sends it. ``UUID``, ``Decimal`` and the
+    ``true``, ``[1,"a"]``, a dict with its keys sorted); a tuple is a list and
+    a dict key a string, as Celery's JSON serializer sends them. ``UUID``, ``Decimal`` and the
     ``datetime`` types are their ``repr()``. Any other type raises
     :class:`~django_dlock.exceptions.InvalidLockKey`: it has no text that is
     the same in every process.
@@ -93,7 +93,7 @@ def encode_value(value: object) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(encode_value(item) for item in value) + "]"
     if isinstance(value, dict):
-        items = sorted((encode_value(k), encode_value(v)) for k, v in value.items())
+        items = sorted((encode_value(_dict_key(k)), encode_value(v)) for k, v in value.items())
         return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
     if isinstance(value, _REPR_TYPES):
         return repr(value)
@@ -101,6 +101,18 @@ def encode_value(value: object) -> str:
         f"a lock_args value of type {type(value).__qualname__} has no stable text: "
         "use arguments of JSON types (str, int, float, bool, None, list, dict), "
         "UUID, Decimal or datetime"
+    )
+
+
+def _dict_key(key: object) -> str:
+    """A dict key as JSON sends it (a string: ``1`` arrives as ``"1"``)."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool | int | float):
+        return json.dumps(key)
+    raise InvalidLockKey(
+        f"a lock_args dict has a key of type {type(key).__qualname__}: "
+        "use str, int, float, bool or None keys"
     )
 
 
