@@ -206,7 +206,7 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
             # The run this message started may have died holding the lease: wait
             # until that lease can have run out (its last renewal gave it at most
             # ``ttl`` seconds) rather than skip the one delivery left of the task.
-            timeout = max(timeout, ttl + max(1.0, ttl / 10))
+            timeout = max(timeout, ttl + max(2.0, ttl / 4))
         return Lock(key, ttl=ttl, timeout=timeout, using=self.lock_using, renew=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
