@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from django_dlock import _logging  # noqa: F401  (escapes control characters in log lines)
 from django_dlock.exceptions import (
     DatabaseUnavailable,
     DLockError,

@@ -37,7 +37,7 @@ from contextvars import ContextVar
 from typing import Any, TypeVar, cast, overload
 
 from asgiref.sync import sync_to_async
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from django_dlock import holdings, metrics, signals, two_phase
 from django_dlock._threads import to_the_end
@@ -58,6 +58,8 @@ from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy, supported, traits
 from django_dlock.strategies.base import Request, Strategy
+from django_dlock.strategies.deadline import statement_deadline
+from django_dlock.strategies.lease.strategy import HELD, LeaseStrategy
 from django_dlock.validation import (
     retry_interval_error,
     seconds_or_none,
@@ -88,6 +90,17 @@ def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
 
 #: set while a ``with`` block or a decorated function is being left
 _LEAVING: ContextVar[bool] = ContextVar("django_dlock_leaving", default=False)
+#: why the last acquire of this thread or task found its key busy (log wording)
+_WHY_BUSY: ContextVar[str] = ContextVar("django_dlock_why_busy", default=HELD)
+
+
+def why_busy() -> str:
+    """How the last failed acquire of this thread or task saw its key, for a log line.
+
+    ``"is held by someone else"``, or on ``lease`` ``"is free, but other
+    waiters are queued ahead"`` when only their tickets kept the caller out.
+    """
+    return _WHY_BUSY.get()
 
 
 class Lock:
@@ -392,6 +405,7 @@ class Lock:
         attempt = Attempt(self, current_holder(), alias, self._strategy(alias), deadline)
         busy = attempt.run(self.keys)
         if busy is not None:
+            _WHY_BUSY.set(self._busy_reason(attempt.strategy, busy))
             self._contended(busy.key, deadline)
         return busy is None
 
@@ -411,15 +425,29 @@ class Lock:
         attempt = Attempt(self, current_holder(), alias, self._strategy(alias), deadline)
         busy = await attempt.arun(self.keys)
         if busy is not None:
+            _WHY_BUSY.set(await sync_to_async(self._busy_reason)(attempt.strategy, busy))
             self._contended(busy.key, deadline)
         return busy is None
+
+    def _busy_reason(self, strategy: Strategy, busy: Request) -> str:
+        """Why ``busy`` could not be taken, asked only if the message is logged."""
+        level = logging.INFO if self.on_fail == "skip" else logging.WARNING
+        if not isinstance(strategy, LeaseStrategy) or not logger.isEnabledFor(level):
+            return HELD
+        try:
+            # a log line's wording: never more than a second behind a pooler
+            with statement_deadline(Deadline(1.0), busy.alias):
+                return strategy.busy_reason(busy.alias, busy.key)
+        except (DLockError, DatabaseError):
+            return HELD
 
     def _contended(self, key: Key, deadline: Deadline) -> None:
         if self.on_fail == "skip":
             return  # a skip is the expected outcome: _skipped() logs it (INFO)
         logger.warning(
-            "django-dlock: %s is held by someone else; gave up after %.3fs",
+            "django-dlock: %s %s; gave up after %.3fs",
             key.name,
+            why_busy(),
             deadline.elapsed(),
         )
 
@@ -626,7 +654,7 @@ class Lock:
         return bound
 
     def _skipped(self) -> None:
-        logger.info("django-dlock: skipped, %s is held by someone else", self.name)
+        logger.info("django-dlock: skipped, %s %s", self.name, why_busy())
         signals.lock_skipped.send(type(self), name=self.name, reason="held")
 
     def __call__(self, func: F) -> F:

@@ -8,7 +8,9 @@ exports that registry shows them (django-prometheus's ``/metrics`` view,
   time spent in ``acquire``. ``outcome`` is ``acquired``; ``skipped`` (a
   one-try acquire, ``timeout=0``, found the lock held: a TaskLock, an
   ``on_fail="skip"`` decorator, ``acquire(blocking=False)``); ``timeout`` (a
-  waiting acquire ran out of time); ``error`` (the acquire raised).
+  waiting acquire ran out of time); ``cancelled`` (the task awaiting
+  ``aacquire`` or ``async with`` was cancelled); ``error`` (the acquire
+  raised).
 * ``dlock_held_seconds`` (histogram; ``strategy``): how long a lock was held,
   observed at its release.
 * ``dlock_lost_total`` (counter; ``strategy``): locks lost while held.
@@ -24,6 +26,7 @@ cost left in the acquire path is one attribute test.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -89,10 +92,12 @@ class PrometheusObserver:
 
     # -- the acquire path (called by Lock.acquire / Lock.aacquire) --------------
 
-    def _failed(self, lk: Lock, deadline: Deadline, acquired: bool | None) -> None:
+    def _failed(
+        self, lk: Lock, deadline: Deadline, acquired: bool | None, cancelled: bool = False
+    ) -> None:
         if acquired:
             return  # observed per key by the lock_acquired signal
-        outcome = "error"
+        outcome = "cancelled" if cancelled else "error"
         if acquired is not None:  # False: the lock is held by someone else
             outcome = "skipped" if deadline.timeout == 0 else "timeout"
         self._acquire_child(lk.strategy_name, outcome).observe(deadline.elapsed())
@@ -117,13 +122,17 @@ class PrometheusObserver:
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None
+        cancelled = False
         try:
             acquired = await attempt(deadline)
             return acquired
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             if waiting:
                 self.waiters.dec()
-            self._failed(lk, deadline, acquired)
+            self._failed(lk, deadline, acquired, cancelled)
 
     # -- signals ------------------------------------------------------------------
 

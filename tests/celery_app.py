@@ -8,6 +8,7 @@ and failure is appended to), ``DLOCK_TEST_CHILD=1`` (the test databases),
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -108,6 +109,26 @@ def slow(key: str, seconds: float) -> str:
             time.sleep(0.5)
             log("step", step)
     return key
+
+
+@app.task(base=SingleInstanceTask, lock_args=["key"], lock_ttl=5.0, acks_late=True)
+def late(key: str) -> str:
+    """Acknowledged after it ran; runs while the file ``<LOG>.<key>.hold`` exists."""
+    with Inside(key):
+        step = 0
+        while os.path.exists(f"{LOG}.{key}.hold"):
+            time.sleep(0.2)
+            log("step", key, step)
+            step += 1
+    return key
+
+
+@app.task(base=SingleInstanceTask, lock_args=["key", "n"])
+def pair(key: object, n: object) -> None:
+    """Logs its arguments, then runs while the file ``<LOG>.pair.hold`` exists."""
+    log("pair", json.dumps([key, n], separators=(",", ":")))
+    while os.path.exists(f"{LOG}.pair.hold"):
+        time.sleep(0.1)
 
 
 @app.task(base=SingleInstanceTask, once_per=600)

@@ -8,6 +8,7 @@ beats run in their own process groups, killed at the end even on failure.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -147,7 +148,7 @@ def test_concurrent_calls_skip_or_retry_one_run_at_a_time(celery):
     assert celery.count("OVERLAP") == 0, celery.output()
     assert runs >= 1 and skips >= 1, (runs, skips)  # 4 processes took them at once
     assert all(
-        line[1] == "lock:celery:tests.celery_app.exclusive:k1"
+        line[1] == 'lock:celery:tests.celery_app.exclusive:"k1"'
         for line in celery.lines()
         if line[0] == "skip"
     )
@@ -160,7 +161,7 @@ def test_concurrent_calls_skip_or_retry_one_run_at_a_time(celery):
     assert celery.count("retry") >= 1
     assert celery.count("OVERLAP") == 0 and celery.count("failure") == 0, celery.output()
     # "end" is logged as the body ends, just before the task releases its lock
-    wait_until(lambda: not lease("celery:tests.celery_app.exclusive_retry:k2").token)
+    wait_until(lambda: not lease('celery:tests.celery_app.exclusive_retry:"k2"').token)
 
 
 def test_the_lease_is_renewed_while_a_task_runs_past_its_ttl(celery):
@@ -168,10 +169,10 @@ def test_the_lease_is_renewed_while_a_task_runs_past_its_ttl(celery):
     celery.worker(concurrency=2)
     app.slow.apply_async(("k3", 4.0), queue=QUEUE)  # lock_ttl=1.0
     wait_until(lambda: celery.count("start", "k3") == 1, timeout=30)
-    held = lease("celery:tests.celery_app.slow:k3")
+    held = lease('celery:tests.celery_app.slow:"k3"')
     # Four half-second steps after the start: twice the TTL has gone by.
     wait_until(lambda: celery.count("step", "3") == 1, timeout=30)
-    name = "celery:tests.celery_app.slow:k3"
+    name = 'celery:tests.celery_app.slow:"k3"'
     assert lease(name).token == held.token
     import django_dlock as dlock
 
@@ -191,7 +192,7 @@ def test_a_killed_workers_lock_is_freed_by_its_ttl(celery):
     worker = celery.worker(concurrency=1)
     app.slow.apply_async(("k4", 60.0), queue=QUEUE)  # lock_ttl=1.0, renewed
     wait_until(lambda: celery.count("step", "1") == 1, timeout=30)
-    name = "celery:tests.celery_app.slow:k4"
+    name = 'celery:tests.celery_app.slow:"k4"'
     assert dlock.lock(name).locked()
     celery.kill(worker)  # SIGKILL to the worker and its pool: nothing releases
     wait_until(lambda: not dlock.lock(name).locked(), timeout=30)
@@ -244,3 +245,52 @@ def test_bad_options_are_named_before_any_sql(django_assert_num_queries):
             sync()
         with pytest.raises(ValueError, match="once_per .* cannot be combined"):
             digest()
+
+
+def worker_of(celery: Processes, pid: int) -> subprocess.Popen[bytes]:
+    """The worker (process group) whose pool process ``pid`` is."""
+    return next(p for p in celery.procs if os.getpgid(pid) == p.pid)
+
+
+def test_an_acks_late_task_killed_mid_run_runs_again_once_its_lease_ran_out(celery):
+    """The worker running an ``acks_late`` task is killed (SIGKILL): RabbitMQ
+    redelivers the message at once to the other worker, which finds the dead
+    run's lease still held (5 s). It waits for that lease to run out and runs
+    the task to the end, instead of skipping (and acknowledging) it."""
+    app = tasks()
+    celery.worker(concurrency=1)
+    celery.worker(concurrency=1)
+    hold = Path(f"{celery.log}.k5.hold")
+    hold.touch()
+    app.late.apply_async(("k5",), queue=QUEUE)
+    wait_until(lambda: celery.count("step", "k5", "1") == 1, timeout=30)
+    name = 'celery:tests.celery_app.late:"k5"'
+    first = lease(name)
+    pid = int(next(line for line in celery.lines() if line[:2] == ["start", "k5"])[-1])
+    celery.kill(worker_of(celery, pid))  # SIGKILL mid-run: nothing releases, nothing acks
+    Path(f"{celery.log}.k5.inside").unlink()  # the killed run's own marker
+    hold.unlink()  # the next run ends at once
+    wait_until(lambda: celery.count("end", "k5") == 1 or celery.count("skip") > 0, timeout=60)
+    assert celery.count("skip") == 0, celery.output()  # the redelivery was not skipped
+    assert celery.count("start", "k5") == 2
+    assert celery.count("OVERLAP") == 0 and celery.count("failure") == 0, celery.output()
+    wait_until(lambda: not lease(name).token)  # released by the second run
+    assert lease(name).fence > first.fence  # a new lease: the dead one had run out
+
+
+def test_arguments_whose_text_collided_run_under_distinct_keys(celery):
+    """``("x:y", "z")`` and ``("x", "y:z")`` (and ``1``/``"1"``) were one key:
+    the second call, while the first ran, was skipped."""
+    app = tasks()
+    celery.worker(concurrency=4)
+    hold = Path(f"{celery.log}.pair.hold")
+    hold.touch()
+    calls = [("x:y", "z"), ("x", "y:z"), (None, 1), ("None", "1")]
+    for args in calls:
+        app.pair.apply_async(args, queue=QUEUE)
+    wait_until(lambda: celery.count("pair") + celery.count("skip") == len(calls), timeout=60)
+    hold.unlink()
+    assert celery.count("skip") == 0, celery.output()
+    assert sorted(line[1] for line in celery.lines() if line[0] == "pair") == sorted(
+        json.dumps(list(args), separators=(",", ":")) for args in calls
+    )

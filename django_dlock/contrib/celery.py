@@ -14,14 +14,21 @@
 A task with ``base=SingleInstanceTask`` holds a lease lock while it runs:
 
 * the key is ``celery:<task name>``, followed by the values of the arguments
-  named in ``lock_args`` (``celery:billing.tasks.charge:42``): one run at a
-  time per task, or per task and chosen arguments;
+  named in ``lock_args``, each as a JSON literal (``celery:billing.tasks.charge:42``,
+  ``celery:mail.tasks.send:"ann@example.com"``): one run at a time per task,
+  or per task and chosen arguments; distinct values always give distinct
+  keys, and a key longer than 255 characters ends in a SHA-256 digest of
+  the values instead;
 * on contention (another worker runs it) the call is *skipped* (logged, the
   ``lock_skipped`` signal, returns ``None``) or, with ``on_locked="retry"``,
   retried with Celery's ``retry(countdown=lock_retry_countdown)``;
 * the lease (``lock_ttl`` seconds) is renewed in the background while the
   task runs; if the worker dies, the lease runs out after at most
   ``lock_ttl`` seconds and the next call runs;
+* a message the broker *redelivers* (``acks_late=True`` and the worker died
+  mid-run) waits for the lock up to a lease length (``lock_ttl`` plus a
+  margin), so the dead run's lease can run out: it then runs, never
+  alongside another run;
 * ``once_per=seconds`` makes it a :class:`~django_dlock.TaskLock`: the task
   runs at most once per that many seconds, however many beat processes (or
   callers) send it. A run that is skipped returns ``None``.
@@ -33,8 +40,13 @@ accepts them): ``lock_args``, ``lock_ttl``, ``lock_timeout``, ``on_locked``,
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import hashlib
 import inspect
+import json
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +55,9 @@ from celery import Task
 from django_dlock import signals
 from django_dlock._http import guarded_call
 from django_dlock.conf import conf
-from django_dlock.locks import Lock
+from django_dlock.exceptions import InvalidLockKey
+from django_dlock.keys import MAX_KEY_LENGTH
+from django_dlock.locks import Lock, why_busy
 from django_dlock.tasklock import TaskLock
 
 __all__ = ["SingleInstanceTask"]
@@ -51,6 +65,67 @@ __all__ = ["SingleInstanceTask"]
 logger = logging.getLogger("django_dlock")
 
 ON_LOCKED = ("skip", "retry")
+
+#: types encoded by their ``repr()``, which is stable across processes and,
+#: starting with a letter other than ``t``, ``f`` or ``n``, never a JSON literal
+_REPR_TYPES = (
+    uuid.UUID,
+    decimal.Decimal,
+    datetime.datetime,
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+)
+
+
+def encode_value(value: object) -> str:
+    """One argument value as text, distinct for distinct values and types.
+
+    JSON values are their compact JSON literal (``42``, ``"42"``, ``null``,
+    ``true``, ``[1,"a"]``, a dict with its keys sorted); a tuple is a list and
+    a dict key a string, as Celery's JSON serializer sends them. ``UUID``, ``Decimal`` and the
+    ``datetime`` types are their ``repr()``. Any other type raises
+    :class:`~django_dlock.exceptions.InvalidLockKey`: it has no text that is
+    the same in every process.
+    """
+    if value is None or isinstance(value, bool | int | float | str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(encode_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        items = sorted((encode_value(_dict_key(k)), encode_value(v)) for k, v in value.items())
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
+    if isinstance(value, _REPR_TYPES):
+        return repr(value)
+    raise InvalidLockKey(
+        f"a lock_args value of type {type(value).__qualname__} has no stable text: "
+        "use arguments of JSON types (str, int, float, bool, None, list, dict), "
+        "UUID, Decimal or datetime"
+    )
+
+
+def _dict_key(key: object) -> str:
+    """A dict key as JSON sends it (a string: ``1`` arrives as ``"1"``)."""
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, bool | int | float):
+        return json.dumps(key)
+    raise InvalidLockKey(
+        f"a lock_args dict has a key of type {type(key).__qualname__}: "
+        "use str, int, float, bool or None keys"
+    )
+
+
+def _valid_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class SingleInstanceTask(Task):  # type: ignore[misc]
@@ -75,7 +150,14 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
     lock_using: str | None = None
 
     def lock_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """``celery:<task name>[:<value>...]`` for the values named in ``lock_args``."""
+        """``celery:<task name>[:<value>...]`` for the values named in ``lock_args``.
+
+        Each value is encoded by :func:`encode_value` (``42`` and ``"42"``,
+        ``None`` and ``"None"`` differ; a ``:`` inside a string cannot shift
+        the boundary between two values). A key longer than 255 characters,
+        or not valid UTF-8, becomes ``celery:<task name>:sha256:<hex>``, the
+        digest of the encoded values (no encoded value starts with ``sha256:``).
+        """
         names = [self.lock_args] if isinstance(self.lock_args, str) else list(self.lock_args)
         if not names:
             return f"celery:{self.name}"
@@ -88,8 +170,18 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
             )
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        values = ":".join(str(bound.arguments[name]) for name in names)
-        return f"celery:{self.name}:{values}"
+        values = ":".join(encode_value(bound.arguments[name]) for name in names)
+        key = f"celery:{self.name}:{values}"
+        if len(key) <= MAX_KEY_LENGTH and _valid_text(key):
+            return key
+        key = f"celery:{self.name}:{_digest(values)}"
+        return key if len(key) <= MAX_KEY_LENGTH else _digest(key)
+
+    def _redelivered(self) -> bool:
+        """Whether the broker delivers this message again (its worker died unacknowledged)."""
+        request = getattr(self, "request", None)
+        delivery_info = getattr(request, "delivery_info", None) or {}
+        return bool(delivery_info.get("redelivered"))
 
     def _lock(self, key: str) -> Lock:
         if self.on_locked not in ON_LOCKED:
@@ -109,7 +201,13 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
                 max_hold=max(ttl, self.once_per),
                 using=self.lock_using,
             )
-        return Lock(key, ttl=ttl, timeout=self.lock_timeout, using=self.lock_using, renew=True)
+        timeout = self.lock_timeout
+        if self._redelivered():
+            # The run this message started may have died holding the lease: wait
+            # until that lease can have run out (its last renewal gave it at most
+            # ``ttl`` seconds) rather than skip the one delivery left of the task.
+            timeout = max(timeout, ttl + max(2.0, ttl / 4))
+        return Lock(key, ttl=ttl, timeout=timeout, using=self.lock_using, renew=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         lk = self._lock(self.lock_key(args, kwargs))
@@ -121,12 +219,13 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
     def _locked(self, lk: Lock) -> Any:
         if self.once_per is None and self.on_locked == "retry":
             logger.info(
-                "django-dlock: %s is held: task %s retries in %g s",
+                "django-dlock: %s %s: task %s retries in %g s",
                 lk.name,
+                why_busy(),
                 self.name,
                 self.lock_retry_countdown,
             )
             raise self.retry(countdown=self.lock_retry_countdown)
-        logger.info("django-dlock: skipped task %s: %s is held", self.name, lk.name)
+        logger.info("django-dlock: skipped task %s: %s %s", self.name, lk.name, why_busy())
         signals.lock_skipped.send(type(self), name=lk.name, reason="held")
         return None

@@ -35,6 +35,10 @@ from django_dlock.strategies.lease.handoff import attempt
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
 from django_dlock.strategies.lease.waiting import TicketWait
 
+#: why a key could not be taken (the words of the log messages)
+HELD = "is held by someone else"
+QUEUED_AHEAD = "is free, but other waiters are queued ahead"
+
 
 class LeaseStrategy:
     """Lease rows in the ``Lock`` table (see :mod:`django_dlock.strategies.lease`)."""
@@ -290,6 +294,24 @@ class LeaseStrategy:
         return (
             "its lease expired and was taken over by another holder (whose lease has run out since)"
         )
+
+    def busy_reason(self, alias: str, key: Key) -> str:
+        """Why a newcomer could not take ``key`` (one read, after a try failed).
+
+        A lease is refused while it runs, and also when it is free but live
+        tickets of other waiters are queued ahead (they are served first).
+        """
+        found = read(
+            alias,
+            f"SELECT CASE WHEN EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s "
+            f"AND expire_at > {{now}}) THEN 1 ELSE 0 END, "
+            f"CASE WHEN EXISTS (SELECT 1 FROM {queue.WAITERS} WHERE name = %s "
+            f"AND expire_at > {{now}}) THEN 1 ELSE 0 END",
+            [key.name, key.name],
+        )
+        if found is not None and not found[0] and found[1]:
+            return QUEUED_AHEAD
+        return HELD
 
     def seconds_left(self, alias: str, key: Key) -> float:
         """Seconds until the current lease of ``key`` ends (<= 0: free now)."""
