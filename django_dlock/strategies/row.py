@@ -43,16 +43,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DLockError, StrategyNotSupported
+from django_dlock.exceptions import DatabaseUnavailable, DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies._pg import MAX_LOCK_TIMEOUT_MS, lock_timeout_ms, sqlstate
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import cursor, fetch_one, lock_connection
+from django_dlock.strategies.connection import (
+    cursor,
+    fetch_one,
+    in_savepoint,
+    lock_connection,
+    with_reconnect,
+)
 from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.transactional import TransactionScoped
 from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE
@@ -189,7 +195,7 @@ class RowStrategy(TransactionScoped):
             row = fetch_one(connection, _PG_TRY, [req.key.name, req.key.name])
             fence = None if row[0] is None else int(row[0])
             return fence is not None, fence, bool(row[1])
-        with connection.cursor() as cur:
+        with cursor(connection) as cur:
             cur.execute(_MYSQL_TRY, [req.key.name, req.key.name])
             row = cur.fetchone()
         return row[0] is not None, None, bool(row[1])
@@ -202,7 +208,7 @@ class RowStrategy(TransactionScoped):
             if timeout_ms is None:
                 return False, None, True
             try:
-                with transaction.atomic(using=req.alias), connection.cursor() as cur:
+                with in_savepoint(connection) as cur:
                     cur.execute(_PG_WAIT, [str(timeout_ms), req.key.name])
                     row = cur.fetchone()
             except DatabaseError as exc:
@@ -255,7 +261,7 @@ class RowStrategy(TransactionScoped):
             return found, None, found
 
     def _mysql_wait_once(self, connection: BaseDatabaseWrapper, req: Request, seconds: int) -> bool:
-        with transaction.atomic(using=req.alias), connection.cursor() as cur:
+        with in_savepoint(connection) as cur:
             cur.execute(_MYSQL_SET_WAIT, [seconds])
             try:
                 cur.execute(_MYSQL_WAIT, [req.key.name])
@@ -264,14 +270,18 @@ class RowStrategy(TransactionScoped):
                 cur.execute(_MYSQL_RESET_WAIT)
 
     def _create(self, req: Request) -> None:
-        """Insert the key's row, free, committed at once on a separate connection."""
-        side = lock_connection(req.alias)
-        sql = _PG_CREATE if side.vendor == "postgresql" else _MYSQL_CREATE
-        params: list[Any] = [req.key.name]
-        if side.vendor != "postgresql":
-            params.append(req.key.name)
-        with cursor(side) as cur:
-            cur.execute(sql, params)
+        """Insert the key's row, free, committed at once on a separate connection
+        (reconnected once if it had dropped: the statement changes nothing twice)."""
+
+        def create(side: BaseDatabaseWrapper) -> None:
+            sql = _PG_CREATE if side.vendor == "postgresql" else _MYSQL_CREATE
+            params: list[Any] = [req.key.name]
+            if side.vendor != "postgresql":
+                params.append(req.key.name)
+            with cursor(side) as cur:
+                cur.execute(sql, params)
+
+        with_reconnect(req.alias, create)
 
     # -- inspect ---------------------------------------------------------------
 
@@ -279,9 +289,23 @@ class RowStrategy(TransactionScoped):
         """True while the transaction that locked the row is open.
 
         A row lock cannot be lost while its transaction lives; there is no
-        catalog of row locks to ask.
+        catalog of row locks to ask, so asked from the holder's thread the
+        transaction's connection is asked whether it still answers (a
+        database that cannot be reached raises :class:`DatabaseUnavailable`:
+        its transaction, and the row lock, may be gone).
         """
-        return not self.ended(req)
+        marker = self.marker(req)
+        if marker is None or not marker.pending():
+            return False
+        connection = marker.connection()
+        if connection is not None and connection is connections[req.alias]:
+            try:
+                fetch_one(connection, "SELECT 1", [])
+            except DatabaseUnavailable:
+                raise
+            except DatabaseError:
+                pass  # an aborted transaction still holds its locks until it ends
+        return True
 
     def locked(self, alias: str, key: Key) -> bool:
         """Whether someone holds the row lock (looks with ``SKIP LOCKED``, holds nothing)."""

@@ -16,7 +16,7 @@ numbers come from ``nextval('django_dlock_fence')`` in the same statement.
 
 from __future__ import annotations
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
@@ -32,7 +32,12 @@ from django_dlock.strategies._pg import (
     sqlstate,
 )
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import fetch_one, lock_connection, require_postgresql
+from django_dlock.strategies.connection import (
+    fetch_one,
+    in_savepoint,
+    lock_connection,
+    require_postgresql,
+)
 from django_dlock.strategies.fence import NEXT_FENCE
 from django_dlock.strategies.transactional import TransactionScoped
 
@@ -107,7 +112,7 @@ class AdvisoryXactStrategy(TransactionScoped):
             if timeout_ms is None:
                 return None
             try:
-                with transaction.atomic(using=req.alias), connection.cursor() as cur:
+                with in_savepoint(connection) as cur:
                     cur.execute(_xact_wait_sql(req, fenced), [str(timeout_ms), *args])
                     row = cur.fetchone()
             except DatabaseError as exc:

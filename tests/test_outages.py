@@ -1,0 +1,133 @@
+"""Lock calls while the database server stops, restarts or crashes.
+
+Runs on a private PostgreSQL cluster created by the test module (never the
+shared service). A call that cannot reach the database raises
+``DatabaseUnavailable`` with the driver's error chained, on every strategy.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import InterfaceError, OperationalError, connections, transaction
+
+import django_dlock as dlock
+from django_dlock.strategies.connection import close_private_connections
+
+from .pgcluster import PrivateCluster, _accepts
+
+ALIAS = "outage"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True, databases=[ALIAS]),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(django_db_blocker):
+    # Module scope: the alias must exist before the test case starts (Django 6
+    # refuses connections to an alias that appears during a test).
+    cluster = PrivateCluster(fsync="off").create()
+    try:
+        with django_db_blocker.unblock(), cluster.attached(ALIAS):
+            yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def server(cluster):
+    """The cluster, running again (and this thread's connection fresh) after the test."""
+    try:
+        yield cluster
+    finally:
+        connections[ALIAS].close()
+        close_private_connections()
+        if not _accepts(cluster.port):
+            cluster.start()
+
+
+def _unavailable(caught: pytest.ExceptionInfo[dlock.DatabaseUnavailable]) -> None:
+    """The error names the database and chains Django's driver error."""
+    assert isinstance(caught.value, dlock.DLockError)
+    assert ALIAS in str(caught.value)
+    assert isinstance(caught.value.__cause__, (OperationalError, InterfaceError))
+
+
+def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server):
+    held = dlock.lock("outage-lease", using=ALIAS, ttl=60)
+    assert held.acquire(timeout=0)
+    server.stop()
+
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        held.extend()
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        held.owned()
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-lease-other", using=ALIAS).acquire(timeout=0)
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-lease-other", using=ALIAS).acquire(timeout=0.5)
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        held.release()
+    _unavailable(caught)
+
+    # The release was not done: the holding is forgotten here, and the lease
+    # stays in the database until it runs out.
+    assert not held.held()
+    server.start()
+    assert held.locked()
+
+
+def test_lease_release_reconnects_after_a_restart(server):
+    held = dlock.lock("outage-restart", using=ALIAS, ttl=60)
+    assert held.acquire(timeout=0)
+    server.restart()
+    # The connection of this thread died with the server: it reconnects.
+    held.release()
+    assert not held.locked()
+
+
+def test_row_calls_raise_database_unavailable_after_a_restart(server):
+    with transaction.atomic(using=ALIAS):
+        held = dlock.lock("outage-row", strategy="row", using=ALIAS)
+        assert held.acquire(timeout=0)
+        assert held.owned()
+        server.restart()  # the transaction, and its row lock, end with the server
+
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            dlock.lock("outage-row-other", strategy="row", using=ALIAS).acquire(timeout=0)
+        _unavailable(caught)
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            held.extend()
+        _unavailable(caught)
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            held.owned()
+        _unavailable(caught)
+        transaction.set_rollback(True, using=ALIAS)
+    connections[ALIAS].close()
+    with transaction.atomic(using=ALIAS):
+        assert dlock.lock("outage-row", strategy="row", using=ALIAS).acquire(timeout=0)
+
+
+def test_row_acquire_raises_database_unavailable_while_the_server_is_down(server):
+    with transaction.atomic(using=ALIAS):
+        connections[ALIAS].ensure_connection()
+        with connections[ALIAS].cursor() as cur:
+            cur.execute("SELECT 1")
+        server.stop()
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            dlock.lock("outage-row-down", strategy="row", using=ALIAS).acquire(timeout=1)
+        _unavailable(caught)
+        server.start()  # (leaving the block reconnects)
+        transaction.set_rollback(True, using=ALIAS)
+
+
+def test_advisory_acquire_raises_database_unavailable_while_the_server_is_down(server):
+    server.stop()
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-advisory", strategy="advisory", using=ALIAS).acquire(timeout=0)
+    assert ALIAS in str(caught.value) and caught.value.__cause__ is not None
