@@ -2,7 +2,9 @@
 
 Runs on a private PostgreSQL cluster created by the test module (never the
 shared service). A call that cannot reach the database raises
-``DatabaseUnavailable`` with the driver's error chained, on every strategy.
+``DatabaseUnavailable`` with the driver's error chained, on every strategy;
+a grant after a release that could not reach the database gets a new
+fencing number.
 """
 
 from __future__ import annotations
@@ -131,3 +133,20 @@ def test_advisory_acquire_raises_database_unavailable_while_the_server_is_down(s
     with pytest.raises(dlock.DatabaseUnavailable) as caught:
         dlock.lock("outage-advisory", strategy="advisory", using=ALIAS).acquire(timeout=0)
     assert ALIAS in str(caught.value) and caught.value.__cause__ is not None
+
+
+def test_a_grant_after_a_failed_release_gets_a_new_fence(server):
+    first = dlock.lock("outage-fence", using=ALIAS, ttl=60)
+    assert first.acquire(timeout=0)
+    old = first.fence
+    assert old is not None
+    server.stop()
+    with pytest.raises(dlock.DatabaseUnavailable):
+        first.release()
+    server.start()
+
+    # Still this thread's lease in the database (the release never ran).
+    again = dlock.lock("outage-fence", using=ALIAS, ttl=60)
+    assert again.acquire(timeout=0)
+    assert again.fence is not None and again.fence > old
+    again.release()
