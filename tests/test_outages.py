@@ -4,13 +4,15 @@ Runs on a private PostgreSQL cluster created by the test module (never the
 shared service). A call that cannot reach the database raises
 ``DatabaseUnavailable`` with the driver's error chained, on every strategy;
 a grant after a release that could not reach the database gets a new
-fencing number.
+fencing number; and fencing numbers never repeat across a crash of the
+server, also those drawn for locks held in the caller's transaction.
 """
 
 from __future__ import annotations
 
 import pytest
-from django.db import InterfaceError, OperationalError, connections, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.test import override_settings
 
 import django_dlock as dlock
 from django_dlock.strategies.connection import close_private_connections
@@ -150,3 +152,38 @@ def test_a_grant_after_a_failed_release_gets_a_new_fence(server):
     assert again.acquire(timeout=0)
     assert again.fence is not None and again.fence > old
     again.release()
+
+
+def _fences(strategy: str, keys: list[str]) -> list[int]:
+    """Take every key in the current transaction; the fencing numbers."""
+    found = []
+    for key in keys:
+        lk = dlock.lock(key, strategy=strategy, using=ALIAS)
+        assert lk.acquire(timeout=0)
+        assert lk.fence is not None
+        found.append(lk.fence)
+    return found
+
+
+@override_settings(DLOCK_ADVISORY_FENCING=True)
+def test_transaction_scoped_fences_never_repeat_after_a_crash(server):
+    # Enough numbers per strategy to cross several of the sequence's batches
+    # of 32 (one WAL record each), in a transaction that never commits.
+    rows = [f"crash-row-{i}" for i in range(100)]
+    xacts = [f"crash-xact-{i}" for i in range(100)]
+    with transaction.atomic(using=ALIAS):
+        _fences("row", rows)  # the rows exist (committed) before the crash
+    issued: list[int] = []
+    with pytest.raises(DatabaseError), transaction.atomic(using=ALIAS):
+        issued += _fences("row", rows)
+        issued += _fences("advisory_xact", xacts)
+        server.crash_and_restart()
+        connections[ALIAS].cursor().execute("SELECT 1")  # the transaction is gone
+    assert issued == sorted(issued) and len(set(issued)) == len(issued)
+    connections[ALIAS].close()
+
+    after: list[int] = []
+    with transaction.atomic(using=ALIAS):
+        after += _fences("row", rows[:3])
+        after += _fences("advisory_xact", xacts[:3])
+    assert min(after) > max(issued), (max(issued), after)
