@@ -130,8 +130,13 @@ def test_row_acquire_raises_database_unavailable_while_the_server_is_down(server
         transaction.set_rollback(True, using=ALIAS)
 
 
-def test_advisory_acquire_raises_database_unavailable_while_the_server_is_down(server):
+def test_advisory_while_the_server_is_down(server):
+    held = dlock.lock("outage-advisory", strategy="advisory", using=ALIAS)
+    assert held.acquire(timeout=0)
     server.stop()
+    # The session is gone, and its lock with it: a loss, not an outage.
+    with pytest.raises(dlock.LockLost):
+        held.release()
     with pytest.raises(dlock.DatabaseUnavailable) as caught:
         dlock.lock("outage-advisory", strategy="advisory", using=ALIAS).acquire(timeout=0)
     assert ALIAS in str(caught.value) and caught.value.__cause__ is not None
