@@ -86,6 +86,18 @@ def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server)
     assert held.locked()
 
 
+def test_leaving_the_block_keeps_the_blocks_own_error_during_an_outage(server):
+    held = dlock.lock("outage-block", using=ALIAS)
+    with pytest.raises(ValueError, match="the block's own"), held:
+        server.stop()
+        raise ValueError("the block's own error")
+    server.start()
+    # Without an error of its own, leaving the block raises the outage.
+    other = dlock.lock("outage-block-2", using=ALIAS, ttl=60)
+    with pytest.raises(dlock.DatabaseUnavailable), other:
+        server.stop()
+
+
 def test_lease_release_reconnects_after_a_restart(server):
     held = dlock.lock("outage-restart", using=ALIAS, ttl=60)
     assert held.acquire(timeout=0)
