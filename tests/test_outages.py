@@ -16,6 +16,7 @@ from django.test import override_settings
 
 import django_dlock as dlock
 from django_dlock.strategies.connection import close_private_connections
+from django_dlock.strategies.deadline import _behind_pooler
 
 from .pgcluster import PrivateCluster, _accepts
 
@@ -84,6 +85,16 @@ def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server)
     assert not held.held()
     server.start()
     assert held.locked()
+
+
+def test_the_first_lock_statement_of_a_process_during_an_outage(server):
+    # Whether a pooler is in between is asked once per process and database,
+    # by the first lock statement.
+    _behind_pooler.clear()
+    server.stop()
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-first", using=ALIAS).acquire(timeout=0)
+    _unavailable(caught)
 
 
 def test_leaving_the_block_keeps_the_blocks_own_error_during_an_outage(server):

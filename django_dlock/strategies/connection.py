@@ -343,7 +343,7 @@ def execute(
         connection.vendor == "postgresql"
         and not connection.queries_logged
         and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
-        and not behind_pooler(connection)
+        and not _behind_pooler(connection)
     ):
         return _execute_prepared(connection, sql, params)
     if connection.vendor == "sqlite" and deadline_end() is not None:
@@ -358,6 +358,14 @@ def execute(
             cur.execute(sql, params)
             return (cur.fetchone() if cur.description else None), cur.rowcount
         return _in_own_transaction(connection, cur, sql, params)
+
+
+def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:
+    """:func:`behind_pooler`, whose first question may be the first statement of all."""
+    try:
+        return behind_pooler(connection)
+    except DatabaseError as exc:
+        _failed(connection, exc)
 
 
 def _sqlite_within_deadline(
