@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from django_dlock import signals
 from django_dlock._threads import close_thread_connections
-from django_dlock.exceptions import LockLost
+from django_dlock.exceptions import DatabaseUnavailable, LockLost
 from django_dlock.identity import Holder, Slot, current_task, holder_alive
 from django_dlock.renewal import Renewer
 from django_dlock.strategies.base import Request, Strategy
@@ -273,8 +273,10 @@ def _renewal_lost(holding: Holding) -> Callable[[str], None]:
 def release_one(holder: Holder, holding: Holding) -> None:
     """Give back one level of ``holding``; the last level releases it in the database.
 
-    Raises :class:`LockLost` if the holding was lost (the holding is then
-    forgotten all the same).
+    Raises :class:`LockLost` if the holding was lost, and
+    :class:`DatabaseUnavailable` if the database could not be reached (the
+    holding is forgotten all the same: a holder that acquires the key again
+    gets a new grant).
     """
     holding.count -= 1
     if holding.count > 0:
@@ -306,8 +308,19 @@ def release_one(holder: Holder, holding: Holding) -> None:
             holding.strategy.release(req)
         except Exception as exc:
             logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
-    elif not holding.strategy.release(req):
-        holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
+    else:
+        try:
+            released = holding.strategy.release(req)
+        except DatabaseUnavailable as exc:
+            logger.warning(
+                "django-dlock: could not release %s, the database could not be reached "
+                "(%s); it is forgotten here, and a lease stays until it runs out",
+                req.key.name,
+                exc,
+            )
+            raise
+        if not released:
+            holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
     if holding.lost:
         raise holding.error()
     held = time.monotonic() - holding.acquired_at

@@ -30,7 +30,7 @@ from typing import Any
 
 from django.utils.module_loading import import_string
 
-from django_dlock.exceptions import DLockError
+from django_dlock.exceptions import DatabaseUnavailable, DLockError
 from django_dlock.leader import Leadership
 
 __all__ = [
@@ -174,7 +174,7 @@ def _unreachable(error: BaseException | None) -> bool:
     """Whether a job failed because its database connection is unusable."""
     from django.db import InterfaceError, OperationalError
 
-    return isinstance(error, (OperationalError, InterfaceError))
+    return isinstance(error, (OperationalError, InterfaceError, DatabaseUnavailable))
 
 
 def run_jobs(
@@ -198,7 +198,8 @@ def run_jobs(
     A job that raises is logged with its traceback (and passed to
     ``report``); the loop goes on. ``report(job, seconds, error)`` is called
     after every run. When jobs have failed for lack of a database
-    connection (``OperationalError`` / ``InterfaceError``) for longer than
+    connection (``OperationalError`` / ``InterfaceError``, or a lock's
+    :class:`~django_dlock.DatabaseUnavailable`) for longer than
     ``unreachable_after`` seconds, an error is logged; with ``step_down``,
     :class:`JobsUnreachable` is raised (``LeaderElection.run`` then steps
     down and raises it). ``alarm(message)`` is called with the same news

@@ -44,6 +44,7 @@ from django_dlock._threads import to_the_end
 from django_dlock.acquiring import Attempt
 from django_dlock.conf import UNSET, FromSetting, RetryInterval, checked, conf, lock_alias
 from django_dlock.exceptions import (
+    DatabaseUnavailable,
     DLockError,
     InvalidLockKey,
     LockLost,
@@ -393,6 +394,11 @@ class Lock:
         Acquiring a lock the caller already holds counts one more level
         (re-entry); if that holding was lost meanwhile, the loss is reported
         (``lock_lost``, ``on_lost``) and the call contends like any other.
+
+        Raises:
+            DatabaseUnavailable: the database could not be reached; the lock
+                is not acquired (see "When the database cannot be reached"
+                in the strategies documentation for what may be left).
         """
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
         self._check_options()
@@ -464,6 +470,9 @@ class Lock:
                 acquired again.
             DLockError: the strategy is transaction-scoped (``row``,
                 ``advisory_xact``): the transaction's end releases it.
+            DatabaseUnavailable: the database could not be reached. The
+                holding is forgotten all the same; a lease stays in the
+                database until it runs out.
         """
         holder = current_holder()
         holdings.release_all(holder, self._all_held(holder, releasing=True))
@@ -516,6 +525,8 @@ class Lock:
             LockNotOwned: the caller does not hold the lock.
             LockLost: the lease ran out, or was taken over or force-released;
                 nothing was changed (an expired lease is not revived).
+            DatabaseUnavailable: the database could not be reached; the
+                lease keeps its previous expiry.
         """
         seconds = self._extend_ttl(ttl)
         holdings.extend(self._all_held(), seconds)
@@ -545,6 +556,10 @@ class Lock:
         :func:`django_dlock.identity.current_holder`); from async code use
         :meth:`aowned`, which answers for the calling task. A holding the
         database no longer has is reported lost.
+
+        Raises:
+            DatabaseUnavailable: the database could not be reached (nothing
+                is reported lost).
         """
         found = self._holdings(holder)
         if len(found) != len(self.keys) or any(h.lost for h in found):
@@ -640,6 +655,16 @@ class Lock:
             if exc is None:
                 raise
             logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
+        except DatabaseUnavailable:
+            # The same for a release that could not reach the database (the
+            # body's exception is often the same outage).
+            if exc is None:
+                raise
+            logger.warning(
+                "django-dlock: %s could not be released while an exception was raised: "
+                "the database could not be reached",
+                self.name,
+            )
         finally:
             _LEAVING.reset(leaving)
 

@@ -3,8 +3,10 @@
 A lock statement commits on its own, never as part of the caller's
 transaction (a private connection of the thread when the caller is inside
 ``transaction.atomic``), is retried once on a new connection when the old
-one had dropped, and runs as a server-side prepared statement on PostgreSQL
-when no pooler is in between (see the PostgreSQL docs, "PREPARE"). While an
+one had dropped, fails with :class:`~django_dlock.DatabaseUnavailable`
+(the driver's error chained) when the database cannot be reached, and
+runs as a server-side prepared statement on PostgreSQL when no pooler is
+in between (see the PostgreSQL docs, "PREPARE"). While an
 acquire's deadline is watched (:mod:`django_dlock.strategies.deadline`), a
 statement that takes a lock through a pooler commits only once its result
 is back in time, and SQLite waits for another writer only until the deadline.
@@ -18,12 +20,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
+from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.strategies.deadline import (
     STATEMENT_FLOOR,
     behind_pooler,
@@ -39,8 +42,10 @@ __all__ = [
     "direct_alias",
     "execute",
     "fetch_one",
+    "in_savepoint",
     "lock_connection",
     "require_postgresql",
+    "unreachable",
     "uses_django_pool",
     "with_reconnect",
 ]
@@ -193,16 +198,92 @@ def close_private_connections() -> None:
     cache.clear()
 
 
+#: SQLSTATEs of a PostgreSQL server that is shutting down, crashed or is starting up
+#: (admin_shutdown, crash_shutdown, cannot_connect_now); class 08 is "connection exception"
+_PG_GONE = ("57P01", "57P02", "57P03")
+#: MySQL/MariaDB errors of a connection that is gone: server shutdown, connection
+#: killed, cannot connect (socket, TCP), server has gone away, lost connection,
+#: lost connection to the server, disconnected for inactivity
+_MYSQL_GONE = frozenset({1053, 1927, 2002, 2003, 2006, 2013, 2055, 4031})
+
+
+def unreachable(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a statement on ``connection``, means the database
+    could not be reached (rather than a refusal by a server that answered).
+
+    An ``InterfaceError`` (the connection is closed) always does. An
+    ``OperationalError`` does when the driver's connection is now closed or
+    was never opened, or when its code says the connection failed or the
+    server is going away; a lock wait that timed out, a deadlock or a
+    cancelled statement leave the connection working and are not outages.
+    SQLite has no server: its ``OperationalError`` (a locked database) never is.
+    """
+    if isinstance(exc, InterfaceError):
+        return True
+    if not isinstance(exc, OperationalError) or connection.vendor == "sqlite":
+        return False
+    raw = connection.connection
+    if raw is None or _closed(raw):
+        return True
+    cause = exc.__cause__
+    state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if state:
+        return str(state).startswith("08") or state in _PG_GONE
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] in _MYSQL_GONE
+
+
+def _closed(raw: Any) -> bool:
+    """Whether a driver's connection is closed (psycopg: also broken)."""
+    closed = getattr(raw, "closed", None)
+    if isinstance(closed, (bool, int)):  # psycopg 3 (a broken one too), psycopg2
+        return bool(closed)
+    is_open = getattr(raw, "open", None)  # PyMySQL, mysqlclient
+    return isinstance(is_open, (bool, int)) and not is_open
+
+
+def _failed(connection: BaseDatabaseWrapper, exc: DatabaseError) -> NoReturn:
+    """Raise what a failed lock statement on ``connection`` means.
+
+    A connection left broken outside the caller's transaction is closed, so
+    the next statement reconnects. An error that means the database could
+    not be reached becomes :class:`DatabaseUnavailable`, the driver's error
+    chained; any other is raised as it is.
+    """
+    gone = unreachable(connection, exc)
+    if not connection.in_atomic_block and not _usable(connection):
+        connection.close()
+    if gone:
+        raise DatabaseUnavailable(
+            f"database {connection.alias!r} could not be reached: {str(exc).strip()}"
+        ) from exc
+    raise exc
+
+
 @contextmanager
 def cursor(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
-    """A cursor that closes a broken connection so the next call reconnects."""
+    """A cursor for lock statements: a database that cannot be reached raises
+    :class:`DatabaseUnavailable`, and a broken connection is closed so the
+    next call reconnects."""
     try:
         with connection.cursor() as cur:
             yield cur
-    except DatabaseError:
-        if not connection.in_atomic_block and not _usable(connection):
-            connection.close()
-        raise
+    except DatabaseError as exc:
+        _failed(connection, exc)
+
+
+@contextmanager
+def in_savepoint(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
+    """:func:`cursor` inside a savepoint of the caller's transaction.
+
+    A statement that fails (a lock wait that timed out) rolls back only
+    the savepoint, and the caller's transaction stays usable.
+    """
+    try:
+        with transaction.atomic(using=connection.alias), connection.cursor() as cur:
+            yield cur
+    except DatabaseError as exc:
+        _failed(connection, exc)
 
 
 def _usable(connection: BaseDatabaseWrapper) -> bool:
@@ -221,11 +302,15 @@ def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[
     (lock timeouts, constraint errors) and errors inside the caller's
     transaction are not retried. Returns ``(result, retried)``: a retried
     statement may have run twice, which callers must tolerate.
+
+    Raises:
+        DatabaseUnavailable: the database could not be reached, also on a
+            new connection (the driver's error is its ``__cause__``).
     """
     connection = lock_connection(alias)
     try:
         return op(connection), False
-    except (OperationalError, InterfaceError):
+    except DatabaseUnavailable:
         if connection.in_atomic_block or connection.connection is not None:
             raise
     return op(lock_connection(alias)), True
@@ -258,7 +343,7 @@ def execute(
         connection.vendor == "postgresql"
         and not connection.queries_logged
         and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
-        and not behind_pooler(connection)
+        and not _behind_pooler(connection)
     ):
         return _execute_prepared(connection, sql, params)
     if connection.vendor == "sqlite" and deadline_end() is not None:
@@ -273,6 +358,14 @@ def execute(
             cur.execute(sql, params)
             return (cur.fetchone() if cur.description else None), cur.rowcount
         return _in_own_transaction(connection, cur, sql, params)
+
+
+def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:
+    """:func:`behind_pooler`, whose first question may be the first statement of all."""
+    try:
+        return behind_pooler(connection)
+    except DatabaseError as exc:
+        _failed(connection, exc)
 
 
 def _sqlite_within_deadline(
@@ -360,10 +453,8 @@ def _execute_prepared(
         finally:
             if saved is None:
                 raw.prepare_threshold = None
-    except DatabaseError:
-        if not connection.in_atomic_block and not _usable(connection):
-            connection.close()
-        raise
+    except DatabaseError as exc:
+        _failed(connection, exc)
 
 
 def fetch_one(

@@ -27,10 +27,22 @@ takes a number. Two statements that
 raise at the same moment may return the same number for two different keys;
 per key, numbers stay strictly increasing (each strategy also takes at
 least the key's previous number + 1 where it keeps one).
+
+A number must also survive a **crash** of the server. ``nextval`` is not
+rolled back with its transaction, but its WAL record is flushed only by a
+commit that waits for the flush; a number drawn in a transaction that never
+commits (the server crashed first) can come back after the restart. The
+``lease`` strategy draws its number in a statement that commits before the
+number is handed out. The transaction-scoped strategies (``row``,
+``advisory_xact``) hold their lock in the caller's transaction, so they draw
+it with :func:`durable_fence`: a statement of its own, committed (and
+flushed) before the number is returned.
 """
 
 from __future__ import annotations
 
+from django_dlock.strategies.connection import fetch_one, with_reconnect
+from django_dlock.strategies.deadline import unwatched
 from django_dlock.tables import FENCE_SEQUENCE
 
 #: bits below the timeline in a fencing number (numbers per timeline: 2**44)
@@ -47,3 +59,26 @@ NEXT_FENCE = (
     f"FROM (SELECT nextval('{FENCE_SEQUENCE}') AS v, "
     f"({_TIMELINE} - 1) << {TIMELINE_SHIFT} AS epoch) AS n)"
 )
+
+#: the next fencing number in a transaction of its own, committed and flushed before
+#: it is returned: an xid makes the commit write a record, and synchronous_commit
+#: (for this transaction) makes it wait until that record, and every WAL record
+#: before it (the sequence's), is on disk
+_DURABLE_FENCE = (
+    f"SELECT {NEXT_FENCE}, pg_current_xact_id(), set_config('synchronous_commit', 'on', true)"
+)
+
+
+def durable_fence(alias: str) -> int:
+    """A fencing number of ``alias``'s database that no crash can issue again.
+
+    Drawn on the thread's lock connection (outside the caller's transaction:
+    :func:`~django_dlock.strategies.connection.lock_connection`), never given
+    up half-way at an acquire's deadline: the lock it numbers is already held.
+
+    Raises:
+        DatabaseUnavailable: the database could not be reached.
+    """
+    with unwatched():
+        row, _ = with_reconnect(alias, lambda connection: fetch_one(connection, _DURABLE_FENCE, []))
+    return int(row[0])

@@ -13,7 +13,7 @@ savepoint).
 
       WITH l AS MATERIALIZED (SELECT id FROM django_dlock_lock
                               WHERE name = %s FOR UPDATE SKIP LOCKED)
-      SELECT (SELECT nextval('django_dlock_fence') FROM l),
+      SELECT EXISTS (SELECT 1 FROM l),
              EXISTS (SELECT 1 FROM django_dlock_lock WHERE name = %s)
 
 * **A missing row** is inserted as a *free* lease row (empty token,
@@ -24,15 +24,19 @@ savepoint).
   where a row committed after the transaction's snapshot stays invisible,
   the row is created before the first look.
 * **Waiting**: PostgreSQL waits in ``FOR UPDATE`` with ``lock_timeout`` set
-  for the statement (one statement sets it, waits, takes the fence and
-  restores it); MySQL/MariaDB set ``innodb_lock_wait_timeout`` (whole
-  seconds) around the ``FOR UPDATE`` and poll with ``SKIP LOCKED`` and the
-  retry interval for the last fraction of a second. Both wait inside a
-  savepoint, so a timeout leaves the caller's transaction usable.
-* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, taken in the
-  same statement once the row is locked. On MySQL/MariaDB a row lock has no
-  fencing number (``fence`` is ``None``): a number stored in the row would
-  be rolled back with the caller's transaction and issued twice.
+  for the statement (one statement sets it, waits and restores it);
+  MySQL/MariaDB set ``innodb_lock_wait_timeout`` (whole seconds) around the
+  ``FOR UPDATE`` and poll with ``SKIP LOCKED`` and the retry interval for the
+  last fraction of a second. Both wait inside a savepoint, so a timeout
+  leaves the caller's transaction usable.
+* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, drawn once
+  the row is locked, in a transaction of its own that commits (and is
+  flushed) before the number is handed out
+  (:func:`~django_dlock.strategies.fence.durable_fence`): drawn in the
+  caller's transaction, a number could be issued again after a crash of the
+  server, since that transaction never commits. On MySQL/MariaDB a row lock
+  has no fencing number (``fence`` is ``None``): a number stored in the row
+  would be rolled back with the caller's transaction and issued twice.
 
 The row strategy and the ``lease`` strategy use the same rows but do not
 exclude each other: pick one strategy per key.
@@ -43,17 +47,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DLockError, StrategyNotSupported
+from django_dlock.exceptions import DatabaseUnavailable, DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies._pg import MAX_LOCK_TIMEOUT_MS, lock_timeout_ms, sqlstate
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import cursor, fetch_one, lock_connection
-from django_dlock.strategies.fence import NEXT_FENCE
+from django_dlock.strategies.connection import (
+    cursor,
+    fetch_one,
+    in_savepoint,
+    lock_connection,
+    with_reconnect,
+)
+from django_dlock.strategies.fence import durable_fence
 from django_dlock.strategies.transactional import TransactionScoped
 from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE
 
@@ -61,19 +71,17 @@ TABLE = LOCK_TABLE
 
 _PG_TRY = f"""
 WITH l AS MATERIALIZED (SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
-SELECT (SELECT {NEXT_FENCE} FROM l),
+SELECT EXISTS (SELECT 1 FROM l),
        EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)
 """
 
-# Sets lock_timeout for the transaction, waits for the row lock, takes the
-# fence and restores lock_timeout, in this order (the CTEs fix it).
+# Sets lock_timeout for the transaction, waits for the row lock and restores
+# lock_timeout, in this order (the CTEs fix it).
 _PG_WAIT = f"""
 WITH t AS MATERIALIZED (SELECT current_setting('lock_timeout') AS prev,
                                set_config('lock_timeout', %s, true) AS cur),
      l AS MATERIALIZED (SELECT r.id FROM {TABLE} r, t WHERE r.name = %s FOR UPDATE OF r)
-SELECT CASE WHEN l.id IS NOT NULL THEN {NEXT_FENCE} END,
-       l.id IS NOT NULL,
-       set_config('lock_timeout', t.prev, true)
+SELECT l.id IS NOT NULL, set_config('lock_timeout', t.prev, true)
 FROM t LEFT JOIN l ON true
 """
 
@@ -160,13 +168,16 @@ class RowStrategy(TransactionScoped):
             self._create(req)  # before the transaction's snapshot may be taken
             creations += 1
         while True:
-            got, fence, present = self._try(connection, req)
+            got, present = self._try(connection, req)
             if not got and present and not deadline.expired():
                 if connection.vendor == "postgresql":
-                    got, fence, present = self._pg_wait(connection, req, deadline)
+                    got, present = self._pg_wait(connection, req, deadline)
                 else:
-                    got, fence, present = self._mysql_wait(connection, req, deadline, policy)
+                    got, present = self._mysql_wait(connection, req, deadline, policy)
             if got:
+                # Drawn once the row is locked (so it is above every earlier
+                # holder's), and committed before it is handed out.
+                fence = durable_fence(req.alias) if connection.vendor == "postgresql" else None
                 self.remember(connection, req)
                 return Grant(fence)
             if present:
@@ -181,28 +192,27 @@ class RowStrategy(TransactionScoped):
             self._create(req)
             creations += 1
 
-    def _try(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[bool, int | None, bool]:
-        """One look: (locked by us now, fence, the row exists)."""
+    def _try(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[bool, bool]:
+        """One look: (locked by us now, the row exists)."""
         if connection.vendor == "postgresql":
             # Prepared on the caller's connection (see ``execute``): parsed
             # and planned once per session, not at every call.
             row = fetch_one(connection, _PG_TRY, [req.key.name, req.key.name])
-            fence = None if row[0] is None else int(row[0])
-            return fence is not None, fence, bool(row[1])
-        with connection.cursor() as cur:
+            return bool(row[0]), bool(row[1])
+        with cursor(connection) as cur:
             cur.execute(_MYSQL_TRY, [req.key.name, req.key.name])
             row = cur.fetchone()
-        return row[0] is not None, None, bool(row[1])
+        return row[0] is not None, bool(row[1])
 
     def _pg_wait(
         self, connection: BaseDatabaseWrapper, req: Request, deadline: Deadline
-    ) -> tuple[bool, int | None, bool]:
+    ) -> tuple[bool, bool]:
         while True:
             timeout_ms = lock_timeout_ms(deadline)
             if timeout_ms is None:
-                return False, None, True
+                return False, True
             try:
-                with transaction.atomic(using=req.alias), connection.cursor() as cur:
+                with in_savepoint(connection) as cur:
                     cur.execute(_PG_WAIT, [str(timeout_ms), req.key.name])
                     row = cur.fetchone()
             except DatabaseError as exc:
@@ -210,11 +220,11 @@ class RowStrategy(TransactionScoped):
                 if state == "55P03" and timeout_ms == MAX_LOCK_TIMEOUT_MS:
                     continue
                 if state in ("55P03", "40P01", "57014"):
-                    return False, None, True  # lock_timeout, deadlock, statement_timeout
+                    return False, True  # lock_timeout, deadlock, statement_timeout
                 raise
-            if not row[1]:
-                return False, None, False  # the row was deleted while we waited
-            return True, int(row[0]), True
+            if not row[0]:
+                return False, False  # the row was deleted while we waited
+            return True, True
 
     def _mysql_wait(
         self,
@@ -222,7 +232,7 @@ class RowStrategy(TransactionScoped):
         req: Request,
         deadline: Deadline,
         policy: RetryInterval,
-    ) -> tuple[bool, int | None, bool]:
+    ) -> tuple[bool, bool]:
         attempt = 0
         while True:
             if deadline.timeout is None:
@@ -230,15 +240,15 @@ class RowStrategy(TransactionScoped):
             else:
                 left = deadline.remaining()
                 if left <= 0:
-                    return False, None, True
+                    return False, True
                 seconds = int(left)
             if seconds < 1:
                 # innodb_lock_wait_timeout counts whole seconds: poll the rest.
                 time.sleep(max(0.0, min(interval(policy, attempt), deadline.remaining())))
                 attempt += 1
-                got, fence, present = self._try(connection, req)
+                got, present = self._try(connection, req)
                 if got or not present:
-                    return got, fence, present
+                    return got, present
                 continue
             try:
                 found = self._mysql_wait_once(connection, req, seconds)
@@ -252,10 +262,10 @@ class RowStrategy(TransactionScoped):
                         "database rolled back the whole transaction"
                     ) from exc
                 raise
-            return found, None, found
+            return found, found
 
     def _mysql_wait_once(self, connection: BaseDatabaseWrapper, req: Request, seconds: int) -> bool:
-        with transaction.atomic(using=req.alias), connection.cursor() as cur:
+        with in_savepoint(connection) as cur:
             cur.execute(_MYSQL_SET_WAIT, [seconds])
             try:
                 cur.execute(_MYSQL_WAIT, [req.key.name])
@@ -264,14 +274,18 @@ class RowStrategy(TransactionScoped):
                 cur.execute(_MYSQL_RESET_WAIT)
 
     def _create(self, req: Request) -> None:
-        """Insert the key's row, free, committed at once on a separate connection."""
-        side = lock_connection(req.alias)
-        sql = _PG_CREATE if side.vendor == "postgresql" else _MYSQL_CREATE
-        params: list[Any] = [req.key.name]
-        if side.vendor != "postgresql":
-            params.append(req.key.name)
-        with cursor(side) as cur:
-            cur.execute(sql, params)
+        """Insert the key's row, free, committed at once on a separate connection
+        (reconnected once if it had dropped: the statement changes nothing twice)."""
+
+        def create(side: BaseDatabaseWrapper) -> None:
+            sql = _PG_CREATE if side.vendor == "postgresql" else _MYSQL_CREATE
+            params: list[Any] = [req.key.name]
+            if side.vendor != "postgresql":
+                params.append(req.key.name)
+            with cursor(side) as cur:
+                cur.execute(sql, params)
+
+        with_reconnect(req.alias, create)
 
     # -- inspect ---------------------------------------------------------------
 
@@ -279,9 +293,23 @@ class RowStrategy(TransactionScoped):
         """True while the transaction that locked the row is open.
 
         A row lock cannot be lost while its transaction lives; there is no
-        catalog of row locks to ask.
+        catalog of row locks to ask, so asked from the holder's thread the
+        transaction's connection is asked whether it still answers (a
+        database that cannot be reached raises :class:`DatabaseUnavailable`:
+        its transaction, and the row lock, may be gone).
         """
-        return not self.ended(req)
+        marker = self.marker(req)
+        if marker is None or not marker.pending():
+            return False
+        connection = marker.connection()
+        if connection is not None and connection is connections[req.alias]:
+            try:
+                fetch_one(connection, "SELECT 1", [])
+            except DatabaseUnavailable:
+                raise
+            except DatabaseError:
+                pass  # an aborted transaction still holds its locks until it ends
+        return True
 
     def locked(self, alias: str, key: Key) -> bool:
         """Whether someone holds the row lock (looks with ``SKIP LOCKED``, holds nothing)."""

@@ -199,5 +199,5 @@ class TransactionScoped:
         return still
 
     def extend(self, req: Request, ttl: float) -> bool:
-        """Nothing to extend: true while the transaction that holds the lock is open."""
-        return not self.ended(req)
+        """Nothing to extend: true while the database still holds the lock (:meth:`owned`)."""
+        return self.owned(req)  # type: ignore[attr-defined, no-any-return]

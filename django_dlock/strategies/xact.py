@@ -11,12 +11,16 @@ transaction. A wait that times out or fails runs inside a savepoint, so the
 caller's transaction stays usable, and ``lock_timeout`` is set for the wait
 only (``set_config(..., true)`` and restored in the same statement; a failed
 wait is rolled back with its savepoint, which also restores it). Fencing
-numbers come from ``nextval('django_dlock_fence')`` in the same statement.
+numbers (``DLOCK_ADVISORY_FENCING``) come from
+``nextval('django_dlock_fence')``, drawn once the lock is held in a
+transaction of their own, committed and flushed before the number is handed
+out (:func:`~django_dlock.strategies.fence.durable_fence`), so that a crash
+of the server cannot issue it again.
 """
 
 from __future__ import annotations
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
@@ -32,8 +36,13 @@ from django_dlock.strategies._pg import (
     sqlstate,
 )
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import fetch_one, lock_connection, require_postgresql
-from django_dlock.strategies.fence import NEXT_FENCE
+from django_dlock.strategies.connection import (
+    fetch_one,
+    in_savepoint,
+    lock_connection,
+    require_postgresql,
+)
+from django_dlock.strategies.fence import durable_fence
 from django_dlock.strategies.transactional import TransactionScoped
 
 # -- advisory_xact ---------------------------------------------------------------------
@@ -47,37 +56,32 @@ def _args_sql(key: Key) -> str:
     return "CAST(%s AS integer), CAST(%s AS integer)"
 
 
-def _fence_sql(fenced: bool) -> str:
-    return NEXT_FENCE if fenced else "0"
-
-
-def _xact_try_sql(req: Request, fenced: bool) -> str:
-    # Without fencing the value is 0 (acquired) or NULL. Built once per form.
-    form = (req.shared, len(req.key.advisory), fenced)
+def _xact_try_sql(req: Request) -> str:
+    # The value is 0 (acquired) or NULL. Built once per form.
+    form = (req.shared, len(req.key.advisory))
     sql = _TRY_SQL.get(form)
     if sql is None:
         suffix = "_shared" if req.shared else ""
         sql = _TRY_SQL[form] = (
-            f"SELECT CASE WHEN pg_try_advisory_xact_lock{suffix}({_args_sql(req.key)}) "
-            f"THEN {_fence_sql(fenced)} END"
+            f"SELECT CASE WHEN pg_try_advisory_xact_lock{suffix}({_args_sql(req.key)}) THEN 0 END"
         )
     return sql
 
 
-#: (shared, key parts, fenced) -> the try statement
-_TRY_SQL: dict[tuple[bool, int, bool], str] = {}
+#: (shared, key parts) -> the try statement
+_TRY_SQL: dict[tuple[bool, int], str] = {}
 
 
-def _xact_wait_sql(req: Request, fenced: bool) -> str:
+def _xact_wait_sql(req: Request) -> str:
     # One statement: set lock_timeout for this transaction, wait in the
-    # server's queue, take the fence, restore lock_timeout. (A timeout
-    # rolls back the savepoint around it, which restores lock_timeout too.)
+    # server's queue, restore lock_timeout. (A timeout rolls back the
+    # savepoint around it, which restores lock_timeout too.)
     suffix = "_shared" if req.shared else ""
     return (
         "WITH t AS MATERIALIZED (SELECT current_setting('lock_timeout') AS prev, "
         "set_config('lock_timeout', %s, true) AS cur), "
         f"l AS MATERIALIZED (SELECT pg_advisory_xact_lock{suffix}({_args_sql(req.key)}) FROM t) "
-        f"SELECT {_fence_sql(fenced)}, set_config('lock_timeout', t.prev, true) FROM l, t"
+        "SELECT 0, set_config('lock_timeout', t.prev, true) FROM l, t"
     )
 
 
@@ -97,18 +101,17 @@ class AdvisoryXactStrategy(TransactionScoped):
                 return None
             raise self.refuse_sibling_wait(req)
         args = list(req.key.advisory)
-        fenced = fencing()
         # Prepared on the caller's connection (see ``execute``): the server
         # parses and plans the try once per session, not at every call.
-        row = fetch_one(connection, _xact_try_sql(req, fenced), args)
-        fence = None if row is None else row[0]
-        while fence is None:
+        row = fetch_one(connection, _xact_try_sql(req), args)
+        got = None if row is None else row[0]
+        while got is None:
             timeout_ms = lock_timeout_ms(deadline)
             if timeout_ms is None:
                 return None
             try:
-                with transaction.atomic(using=req.alias), connection.cursor() as cur:
-                    cur.execute(_xact_wait_sql(req, fenced), [str(timeout_ms), *args])
+                with in_savepoint(connection) as cur:
+                    cur.execute(_xact_wait_sql(req), [str(timeout_ms), *args])
                     row = cur.fetchone()
             except DatabaseError as exc:
                 state = sqlstate(exc)
@@ -117,11 +120,14 @@ class AdvisoryXactStrategy(TransactionScoped):
                 if state in ("55P03", "40P01", "57014"):
                     return None  # lock_timeout, deadlock, statement_timeout
                 raise
-            fence = None if row is None else row[0]
-            if fence is None:
+            got = None if row is None else row[0]
+            if got is None:
                 raise DLockError(f"waiting for {req.key.name!r} returned no row")
+        # Drawn once the lock is held (so it is above every earlier holder's),
+        # and committed before it is handed out.
+        fence = durable_fence(req.alias) if fencing() else None
         self.remember(connection, req)
-        return Grant(int(fence) if fenced else None)
+        return Grant(fence)
 
     def owned(self, req: Request) -> bool:
         marker = self.marker(req)

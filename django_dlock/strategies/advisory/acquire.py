@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Callable
 
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DLockError
+from django_dlock.exceptions import DatabaseUnavailable, DLockError
 from django_dlock.identity import Holder, current_holder
 from django_dlock.retry import Deadline
 from django_dlock.strategies.advisory.executor import executor as advisory_executor
@@ -44,7 +44,8 @@ def on_session(
 
     A pooled session that had died in the pool holds nothing: the attempt
     runs once more on a new one. A session that cannot be opened is a
-    :class:`DLockError` naming the database.
+    :class:`DatabaseUnavailable` naming the database (the driver's error
+    chained), as is a session that ended again on the second try.
     """
     for attempt in (1, 2):
         try:
@@ -52,7 +53,7 @@ def on_session(
         except DLockError:
             raise
         except Exception as exc:
-            raise DLockError(
+            raise DatabaseUnavailable(
                 f"cannot open a session for advisory locks on {req.alias!r}: {exc}"
             ) from exc
         try:

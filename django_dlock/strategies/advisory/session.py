@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 
-from django_dlock.exceptions import DLockError
+from django_dlock.exceptions import DatabaseUnavailable, DLockError
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -103,8 +103,12 @@ def _readable(fds: list[int], timeout: float) -> list[int]:
     return list(readable)
 
 
-class SessionLost(DLockError):
-    """The database session ended (the connection dropped or was terminated)."""
+class SessionLost(DatabaseUnavailable):
+    """The database session ended (the connection dropped or was terminated).
+
+    Raised by an acquisition whose session ended under it: the session
+    holds nothing any more, so the lock is not held.
+    """
 
 
 class SessionSwitched(DLockError):

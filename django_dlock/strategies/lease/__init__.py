@@ -7,14 +7,14 @@ holder's token and judges the lease on the database clock:
 * **acquire** inserts the row, or takes it over when its lease has ended
   (``expire_at <= now``) and no live waiter's ticket is ahead of the caller
   (see :mod:`django_dlock.strategies.queue`: waiters are served first come,
-  first served), or when it is already the caller's, and returns the
-  fencing number;
+  first served), or when it is already the caller's, and returns a new
+  fencing number (every acquire is a new grant);
 * **release** ends the lease (``expire_at = now``, empty token) only if the
   token matches, and on PostgreSQL, only if the key has waiters, sends
   ``NOTIFY django_dlock`` addressed to the next one;
 * **extend** moves ``expire_at`` only if the token matches.
 
-Fencing numbers: on PostgreSQL every acquisition by a new holder takes
+Fencing numbers: on PostgreSQL every acquisition takes
 ``nextval('django_dlock_fence')`` (and at least the row's number + 1):
 strictly greater than every number issued before for that key.
 ``dlock_cleanup`` raises the sequence above every number it deletes. After

@@ -3,8 +3,11 @@
 On PostgreSQL and SQLite a try is one statement; on MySQL/MariaDB it is one
 short transaction that locks the row, decides and writes. A try succeeds
 when the lease has ended and no live ticket is ahead of the caller's place,
-or when the lease is already the caller's (a retried acquire keeps its
-fencing number). A granted ticket is deleted with the grant.
+or when the lease is already the caller's (a release that could not reach
+the database left it, or a try whose answer was lost wrote it). Either way
+it is a new grant, with a new fencing number: a holder that knows an older
+number of the key can never be told the same one again. A granted ticket is
+deleted with the grant.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def try_acquire(req: Request, ticket: int | None = None) -> int | None:
     Without ``ticket`` (a newcomer) every live ticket is ahead. With it,
     the granted ticket is deleted.
     """
-    # Retrying after a dropped connection is safe: the same token
-    # re-acquires its own lease with the same fencing number.
+    # Retrying after a dropped connection is safe: the same token takes its
+    # own lease again (if the first try wrote it), with a new fencing number.
     fence, _ = with_reconnect(req.alias, lambda connection: acquire_on(connection, req, ticket))
     if ticket is not None and fence is not None:
         queue.done(ticket)
@@ -105,14 +108,10 @@ def _mysql_take(cur: Any, req: Request, ticket: int | None) -> int | None:
         cur.execute(MYSQL_INSERT, [req.key.name, req.token, req.owner, fence, req.ttl])
     else:
         token, free, fence, ahead = row[0], bool(row[1]), int(row[2]), bool(row[3])
-        own = token == req.token and not free
-        if own:
-            pass
-        elif free and not ahead:
-            fence += 1
-        else:
+        if not (token == req.token and not free) and not (free and not ahead):
             return None
-        cur.execute(MYSQL_TAKE, [own, req.token, req.owner, fence, req.ttl, req.key.name])
+        fence += 1  # a new grant, also over the caller's own live lease
+        cur.execute(MYSQL_TAKE, [req.token, req.owner, fence, req.ttl, req.key.name])
     if ticket is not None:
         cur.execute(f"DELETE FROM {WAITERS} WHERE id = %s", [ticket])
     return fence

@@ -3,6 +3,10 @@
 Acquire is one statement on PostgreSQL and SQLite (an upsert that takes the
 row only when its lease has ended and no live ticket is ahead, or when it is
 already the caller's) and a short transaction of several on MySQL/MariaDB.
+Every acquire is a new grant: a new fencing number and a new
+``acquired_at``, also over the caller's own live lease (left behind by a
+release that could not reach the database, or written by a try whose answer
+was lost with its connection).
 On PostgreSQL the acquire and release statements come in two durabilities
 (``DLOCK_LEASE_SYNCHRONOUS_COMMIT``): the fast one commits its own
 transaction with ``synchronous_commit = off`` and takes fencing numbers that
@@ -39,10 +43,8 @@ WHERE NOT EXISTS (
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
-    fence = CASE WHEN l.token = EXCLUDED.token AND l.expire_at > statement_timestamp()
-                 THEN l.fence ELSE GREATEST(EXCLUDED.fence, l.fence + 1) END,
-    acquired_at = CASE WHEN l.token = EXCLUDED.token AND l.expire_at > statement_timestamp()
-                       THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
+    fence = GREATEST(EXCLUDED.fence, l.fence + 1),
+    acquired_at = EXCLUDED.acquired_at,
     expire_at = EXCLUDED.expire_at
 WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
    OR (l.expire_at <= statement_timestamp() AND NOT EXISTS (
@@ -82,10 +84,8 @@ WHERE NOT EXISTS (
 ON CONFLICT (name) DO UPDATE SET
     token = excluded.token,
     owner = excluded.owner,
-    fence = CASE WHEN {TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}}
-                 THEN {TABLE}.fence ELSE {TABLE}.fence + 1 END,
-    acquired_at = CASE WHEN {TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}}
-                       THEN {TABLE}.acquired_at ELSE excluded.acquired_at END,
+    fence = {TABLE}.fence + 1,
+    acquired_at = excluded.acquired_at,
     expire_at = excluded.expire_at
 WHERE ({TABLE}.token = excluded.token AND {TABLE}.expire_at > {{now}})
    OR ({TABLE}.expire_at <= {{now}} AND NOT EXISTS (
@@ -100,9 +100,7 @@ MYSQL_SELECT = (
     f"AND w.id < %s) FROM {TABLE} WHERE name = %s FOR UPDATE"
 )
 MYSQL_TAKE = (
-    # The first parameter says whether this is the caller's own live lease
-    # (a retried acquire): it keeps its acquired_at.
-    f"UPDATE {TABLE} SET acquired_at = IF(%s, acquired_at, UTC_TIMESTAMP(6)), "
+    f"UPDATE {TABLE} SET acquired_at = UTC_TIMESTAMP(6), "
     "token = %s, owner = %s, fence = %s, "
     "expire_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND "
     "WHERE name = %s"

@@ -18,10 +18,11 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import InterfaceError, OperationalError, connections
+from django.db import connections
 
 from django_dlock import notify
 from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Grant, Request
@@ -152,7 +153,8 @@ def plan(
 
     A waiter rides out an outage of the database (a restart, a dropped
     connection): it backs off and looks again until its deadline, and
-    then raises the database's error rather than report a timeout.
+    then raises :class:`~django_dlock.DatabaseUnavailable` rather than
+    report a timeout.
     """
     attempt = 0
     woken = False
@@ -199,7 +201,7 @@ def step(kind: str, place: Place, req: Request) -> Any:
             queue.beat(req, place.ticket)
             place.renewed = now
         return look(req, place.ticket)
-    except (OperationalError, InterfaceError) as exc:
+    except DatabaseUnavailable as exc:
         logger.warning("django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc)
         return Outage(exc)
 

@@ -1,0 +1,217 @@
+"""Lock calls while the database server stops, restarts or crashes.
+
+Runs on a private PostgreSQL cluster created by the test module (never the
+shared service). A call that cannot reach the database raises
+``DatabaseUnavailable`` with the driver's error chained, on every strategy;
+a grant after a release that could not reach the database gets a new
+fencing number; and fencing numbers never repeat across a crash of the
+server, also those drawn for locks held in the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.test import override_settings
+
+import django_dlock as dlock
+from django_dlock.strategies.connection import close_private_connections
+from django_dlock.strategies.deadline import _behind_pooler
+
+from .pgcluster import PrivateCluster, _accepts
+
+ALIAS = "outage"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True, databases=[ALIAS]),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(django_db_blocker):
+    # Module scope: the alias must exist before the test case starts (Django 6
+    # refuses connections to an alias that appears during a test).
+    cluster = PrivateCluster(fsync="off").create()
+    try:
+        with django_db_blocker.unblock(), cluster.attached(ALIAS):
+            yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def server(cluster):
+    """The cluster, running again (and this thread's connection fresh) after the test."""
+    try:
+        yield cluster
+    finally:
+        connections[ALIAS].close()
+        close_private_connections()
+        if not _accepts(cluster.port):
+            cluster.start()
+
+
+def _unavailable(caught: pytest.ExceptionInfo[dlock.DatabaseUnavailable]) -> None:
+    """The error names the database and chains Django's driver error."""
+    assert isinstance(caught.value, dlock.DLockError)
+    assert ALIAS in str(caught.value)
+    assert isinstance(caught.value.__cause__, (OperationalError, InterfaceError))
+
+
+def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server):
+    held = dlock.lock("outage-lease", using=ALIAS, ttl=60)
+    assert held.acquire(timeout=0)
+    server.stop()
+
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        held.extend()
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        held.owned()
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-lease-other", using=ALIAS).acquire(timeout=0)
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-lease-other", using=ALIAS).acquire(timeout=0.5)
+    _unavailable(caught)
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        held.release()
+    _unavailable(caught)
+
+    # The release was not done: the holding is forgotten here, and the lease
+    # stays in the database until it runs out.
+    assert not held.held()
+    server.start()
+    assert held.locked()
+
+
+def test_the_first_lock_statement_of_a_process_during_an_outage(server):
+    # Whether a pooler is in between is asked once per process and database,
+    # by the first lock statement.
+    _behind_pooler.clear()
+    server.stop()
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-first", using=ALIAS).acquire(timeout=0)
+    _unavailable(caught)
+
+
+def test_leaving_the_block_keeps_the_blocks_own_error_during_an_outage(server):
+    held = dlock.lock("outage-block", using=ALIAS)
+    with pytest.raises(ValueError, match="the block's own"), held:
+        server.stop()
+        raise ValueError("the block's own error")
+    server.start()
+    # Without an error of its own, leaving the block raises the outage.
+    other = dlock.lock("outage-block-2", using=ALIAS, ttl=60)
+    with pytest.raises(dlock.DatabaseUnavailable), other:
+        server.stop()
+
+
+def test_lease_release_reconnects_after_a_restart(server):
+    held = dlock.lock("outage-restart", using=ALIAS, ttl=60)
+    assert held.acquire(timeout=0)
+    server.restart()
+    # The connection of this thread died with the server: it reconnects.
+    held.release()
+    assert not held.locked()
+
+
+def test_row_calls_raise_database_unavailable_after_a_restart(server):
+    with transaction.atomic(using=ALIAS):
+        held = dlock.lock("outage-row", strategy="row", using=ALIAS)
+        assert held.acquire(timeout=0)
+        assert held.owned()
+        server.restart()  # the transaction, and its row lock, end with the server
+
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            dlock.lock("outage-row-other", strategy="row", using=ALIAS).acquire(timeout=0)
+        _unavailable(caught)
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            held.extend()
+        _unavailable(caught)
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            held.owned()
+        _unavailable(caught)
+        transaction.set_rollback(True, using=ALIAS)
+    connections[ALIAS].close()
+    with transaction.atomic(using=ALIAS):
+        assert dlock.lock("outage-row", strategy="row", using=ALIAS).acquire(timeout=0)
+
+
+def test_row_acquire_raises_database_unavailable_while_the_server_is_down(server):
+    with transaction.atomic(using=ALIAS):
+        connections[ALIAS].ensure_connection()
+        with connections[ALIAS].cursor() as cur:
+            cur.execute("SELECT 1")
+        server.stop()
+        with pytest.raises(dlock.DatabaseUnavailable) as caught:
+            dlock.lock("outage-row-down", strategy="row", using=ALIAS).acquire(timeout=1)
+        _unavailable(caught)
+        server.start()  # (leaving the block reconnects)
+        transaction.set_rollback(True, using=ALIAS)
+
+
+def test_advisory_while_the_server_is_down(server):
+    held = dlock.lock("outage-advisory", strategy="advisory", using=ALIAS)
+    assert held.acquire(timeout=0)
+    server.stop()
+    # The session is gone, and its lock with it: a loss, not an outage.
+    with pytest.raises(dlock.LockLost):
+        held.release()
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-advisory", strategy="advisory", using=ALIAS).acquire(timeout=0)
+    assert ALIAS in str(caught.value) and caught.value.__cause__ is not None
+
+
+def test_a_grant_after_a_failed_release_gets_a_new_fence(server):
+    first = dlock.lock("outage-fence", using=ALIAS, ttl=60)
+    assert first.acquire(timeout=0)
+    old = first.fence
+    assert old is not None
+    server.stop()
+    with pytest.raises(dlock.DatabaseUnavailable):
+        first.release()
+    server.start()
+
+    # Still this thread's lease in the database (the release never ran).
+    again = dlock.lock("outage-fence", using=ALIAS, ttl=60)
+    assert again.acquire(timeout=0)
+    assert again.fence is not None and again.fence > old
+    again.release()
+
+
+def _fences(strategy: str, keys: list[str]) -> list[int]:
+    """Take every key in the current transaction; the fencing numbers."""
+    found = []
+    for key in keys:
+        lk = dlock.lock(key, strategy=strategy, using=ALIAS)
+        assert lk.acquire(timeout=0)
+        assert lk.fence is not None
+        found.append(lk.fence)
+    return found
+
+
+@override_settings(DLOCK_ADVISORY_FENCING=True)
+def test_transaction_scoped_fences_never_repeat_after_a_crash(server):
+    # Enough numbers per strategy to cross several of the sequence's batches
+    # of 32 (one WAL record each), in a transaction that never commits.
+    rows = [f"crash-row-{i}" for i in range(100)]
+    xacts = [f"crash-xact-{i}" for i in range(100)]
+    with transaction.atomic(using=ALIAS):
+        _fences("row", rows)  # the rows exist (committed) before the crash
+    issued: list[int] = []
+    with pytest.raises(DatabaseError), transaction.atomic(using=ALIAS):
+        issued += _fences("row", rows)
+        issued += _fences("advisory_xact", xacts)
+        server.crash_and_restart()
+        connections[ALIAS].cursor().execute("SELECT 1")  # the transaction is gone
+    assert issued == sorted(issued) and len(set(issued)) == len(issued)
+    connections[ALIAS].close()
+
+    after: list[int] = []
+    with transaction.atomic(using=ALIAS):
+        after += _fences("row", rows[:3])
+        after += _fences("advisory_xact", xacts[:3])
+    assert min(after) > max(issued), (max(issued), after)
