@@ -217,7 +217,12 @@ class LeaseStrategy:
         ``acquired_at + min_hold``. Used by :class:`~django_dlock.TaskLock`.
         ``False`` if the caller no longer holds the lease.
         """
-        connection = lock_connection(req.alias)
+        return self.release_after_on(lock_connection(req.alias), req, min_hold)
+
+    def release_after_on(
+        self, connection: BaseDatabaseWrapper, req: Request, min_hold: float
+    ) -> bool:
+        """:meth:`release_after` on ``connection`` (a quorum's private connection)."""
         vendor = dbclock.vendor(connection)
         now = dbclock.now_sql(connection)
         later = {

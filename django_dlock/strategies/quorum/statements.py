@@ -67,7 +67,9 @@ def live_row(connection: BaseDatabaseWrapper, key: Key) -> LiveRow | None:
 
 
 def release_after_on(connection: BaseDatabaseWrapper, req: Request, min_hold: float) -> bool:
-    """TaskLock's release on one database: keep the lease until ``acquired_at + min_hold``."""
-    # lease.release_after runs on the thread's lock connection: in a worker
-    # thread of ours that is the worker's own Django connection.
-    return lease.release_after(dataclasses.replace(req, alias=connection.alias), min_hold)
+    """TaskLock's release on one database: keep the lease until ``acquired_at + min_hold``.
+
+    Runs on ``connection``, the worker's private connection with its connect
+    and statement timeouts, like every other statement of a quorum.
+    """
+    return lease.release_after_on(connection, req, min_hold)

@@ -3,7 +3,11 @@
 A quorum round sends one statement to every database at once, so each
 database alias has a small thread pool (:data:`WORKERS_PER_ALIAS` threads),
 and each worker thread a private connection to its database, outside
-Django's connection pool. A new connection gets a connect timeout from the
+Django's connection pool. A database that does not answer keeps its
+workers busy: at most :data:`MAX_WAITING` more statements wait for them
+(the others are refused at once, so the database does not vote in those
+rounds), and a statement whose round is over before a worker is free is
+dropped, not sent late. A new connection gets a connect timeout from the
 time the round may still take, and on PostgreSQL every statement a
 ``statement_timeout`` and ``lock_timeout`` of the lease's length, so a hung
 server frees its worker. A connection that broke is closed and opened again
@@ -22,15 +26,27 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.strategies.connection import execute
+from django_dlock.strategies.quorum.aliases import server_identity
 
-__all__ = ["MIN_CONNECT_TIMEOUT", "WORKERS_PER_ALIAS", "close_all", "coordinator", "submit"]
+__all__ = [
+    "MAX_WAITING",
+    "MIN_CONNECT_TIMEOUT",
+    "MIN_WAIT",
+    "WORKERS_PER_ALIAS",
+    "close_all",
+    "coordinator",
+    "servers",
+    "submit",
+]
 
 logger = logging.getLogger("django_dlock")
 
@@ -38,6 +54,10 @@ logger = logging.getLogger("django_dlock")
 MIN_CONNECT_TIMEOUT = 2
 #: worker threads per database (each has its own connection to it)
 WORKERS_PER_ALIAS = 4
+#: statements that may wait for a database's busy workers; more are refused
+MAX_WAITING = WORKERS_PER_ALIAS
+#: the least time a statement may wait for a worker before it is dropped
+MIN_WAIT = 0.5
 
 _pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 _coordinators: list[concurrent.futures.ThreadPoolExecutor] = []
@@ -45,6 +65,10 @@ _pools_mutex = threading.Lock()
 _local = threading.local()
 #: every worker connection, for :func:`close_all`
 _opened: list[BaseDatabaseWrapper] = []
+#: per database, the statements submitted that no worker has started yet
+_waiting: dict[str, int] = {}
+#: per database alias, what its server said it is when a worker connected
+servers: dict[str, tuple[str, ...]] = {}
 
 
 def submit(
@@ -53,9 +77,41 @@ def submit(
     """Run ``op`` on a worker's connection to ``alias``; its future.
 
     ``ttl`` bounds each statement (PostgreSQL), ``budget`` a new connection's
-    connect timeout (the seconds the round may still take).
+    connect timeout (the seconds the round may still take). The future
+    fails with :class:`~django_dlock.DatabaseUnavailable` at once when
+    :data:`MAX_WAITING` statements already wait for ``alias``'s workers, and
+    when no worker was free before ``budget`` (at least :data:`MIN_WAIT`)
+    ran out: ``op`` is then not sent.
     """
-    return _pool(alias).submit(_on, alias, ttl, budget, op)
+    with _pools_mutex:
+        waiting = _waiting.get(alias, 0)
+        if waiting < MAX_WAITING:
+            _waiting[alias] = waiting + 1
+    if waiting >= MAX_WAITING:
+        refused: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        refused.set_exception(
+            DatabaseUnavailable(
+                f"{alias}: not sent, {waiting} earlier statements still wait for an answer"
+            )
+        )
+        return refused
+    stale_at = time.monotonic() + max(budget, MIN_WAIT)
+    return _pool(alias).submit(_started, alias, stale_at, ttl, budget, op)
+
+
+def _started(
+    alias: str,
+    stale_at: float,
+    ttl: float,
+    budget: float,
+    op: Callable[[BaseDatabaseWrapper], Any],
+) -> Any:
+    """A worker took a statement: no longer waiting; dropped if its round is over."""
+    with _pools_mutex:
+        _waiting[alias] -= 1
+    if time.monotonic() > stale_at:
+        raise DatabaseUnavailable(f"{alias}: not sent, its round was over before a worker was free")
+    return _on(alias, ttl, budget, op)
 
 
 def coordinator() -> concurrent.futures.ThreadPoolExecutor:
@@ -83,6 +139,9 @@ def close_all() -> None:
     for pool in pools:
         pool.shutdown(wait=True)
     with _pools_mutex:
+        _waiting.clear()
+        servers.clear()
+    with _pools_mutex:
         opened = list(_opened)
         _opened.clear()
     for connection in opened:
@@ -100,6 +159,8 @@ def _forget_pools_after_fork() -> None:
     _pools.clear()
     _coordinators.clear()
     _opened.clear()
+    _waiting.clear()
+    servers.clear()
     _pools_mutex = threading.Lock()
 
 
@@ -144,7 +205,9 @@ def _run(
 ) -> Any:
     """``op`` on ``connection``; a connection the failure left unusable is closed."""
     try:
-        connection.ensure_connection()
+        if connection.connection is None:
+            connection.ensure_connection()
+            servers[connection.alias] = server_identity(connection)
         _bound_statements(connection, ttl)
         return op(connection)
     except Exception:
