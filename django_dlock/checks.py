@@ -381,7 +381,8 @@ def check_quorums(**kwargs: Any) -> list[CheckMessage]:
 
 @register(Tags.database)
 def check_quorum_tables(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E061: a database of a quorum has no lock table.
+    """dlock.W061, E062: a database of a quorum has no lock table; two of its
+    aliases reach the same database.
 
     It connects, so it is a database check: Django runs it only for the
     databases named with ``check --database`` (Django 6 hands every alias to
@@ -390,4 +391,4 @@ def check_quorum_tables(**kwargs: Any) -> list[CheckMessage]:
     from django_dlock.strategies.quorum import quorum_problems
 
     found = quorum_problems(kwargs.get("databases") or [])
-    return [message for message in found if message.id == "dlock.E061"]
+    return [message for message in found if message.id in ("dlock.W061", "dlock.E062")]

@@ -54,6 +54,13 @@ class Queued:
 
 
 def _two_phase_strategy(lock: Lock, alias: str) -> Strategy:
+    if lock._quorum is not None:
+        raise StrategyNotSupported(
+            f"enqueue()/wait() are not supported on a quorum lock (using="
+            f"{list(lock._quorum)!r}): a place in a queue lives on one database. "
+            "Use acquire(timeout=...) on the quorum lock, or enqueue() on a lock "
+            "on one database"
+        )
     strategy = lock._strategy(alias)
     if isinstance(strategy, LeaseStrategy):
         return strategy

@@ -384,7 +384,7 @@ def test_checks_report_bad_and_even_quorums_and_pass_good_ones(settings):
     ids = [message.id for message in check_quorums(databases=QUORUM)]
     assert ids.count("dlock.W060") == 1  # ["q1", "q2"]: even
     assert ids.count("dlock.E060") == 1  # q1 twice
-    assert "dlock.E061" not in ids  # every database has the lock table
+    assert "dlock.W061" not in ids  # every database has the lock table
 
 
 def test_with_lock_takes_a_quorum_and_refuses_a_bad_one():
@@ -400,7 +400,7 @@ def test_with_lock_takes_a_quorum_and_refuses_a_bad_one():
         with_lock("q-job:{n}", using=["q1", "q1"])
 
 
-def test_check_e061_a_database_of_a_quorum_without_the_lock_table(settings):
+def test_check_w061_a_database_of_a_quorum_without_the_lock_table(settings):
     from django.core.checks import Tags
 
     from django_dlock.checks import check_quorum_tables, check_quorums
@@ -415,9 +415,9 @@ def test_check_e061_a_database_of_a_quorum_without_the_lock_table(settings):
     finally:
         with connections["q3"].cursor() as cur:
             cur.execute("ALTER TABLE django_dlock_lock_away RENAME TO django_dlock_lock")
-    e061 = [m for m in messages if m.id == "dlock.E061"]
-    assert len(e061) == 1 and "'q3'" in e061[0].msg
-    assert "dlock.E061" not in [m.id for m in static]
+    w061 = [m for m in messages if m.id == "dlock.W061"]
+    assert len(w061) == 1 and "'q3'" in w061[0].msg
+    assert "dlock.W061" not in [m.id for m in static]
     # only `check --database` runs it: Django runs database checks only then
     assert Tags.database in check_quorum_tables.tags  # type: ignore[attr-defined]
 

@@ -9,14 +9,35 @@ quorum are needed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 
 from django.core.checks import CheckMessage
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_dlock.exceptions import DatabaseUnavailable
+from django_dlock.strategies.connection import execute
 from django_dlock.strategies.lease import TABLE
 
-__all__ = ["declared", "majority", "quorum_aliases", "quorum_problems", "same_database"]
+__all__ = [
+    "declared",
+    "majority",
+    "quorum_aliases",
+    "quorum_problems",
+    "same_database",
+    "same_server",
+    "server_identity",
+]
+
+#: what tells one server's database from another's, per vendor: on
+#: PostgreSQL the server's start time (to the microsecond) and the database;
+#: on MySQL/MariaDB the server's host name, port and data directory and the
+#: database. The same server reached under two host names answers the same.
+_IDENTITY_SQL = {
+    "postgresql": "SELECT pg_postmaster_start_time()::text, current_database()",
+    "mysql": "SELECT @@hostname, @@port, @@datadir, DATABASE()",
+}
 
 #: every quorum a lock was created with (the system checks look at them)
 declared: set[tuple[str, ...]] = set()
@@ -47,6 +68,30 @@ def same_database(aliases: Sequence[str]) -> list[tuple[str, str]]:
             pairs.append((seen[server], alias))
         else:
             seen[server] = alias
+    return pairs
+
+
+def server_identity(connection: BaseDatabaseWrapper) -> tuple[str, ...]:
+    """What the database behind ``connection`` says it is (one query).
+
+    Two aliases with the same identity are one database, whatever their
+    ``HOST`` says (``127.0.0.1`` and ``localhost``, a DNS alias, a proxy).
+    """
+    if connection.vendor == "sqlite":
+        return ("sqlite", os.path.realpath(str(connection.settings_dict["NAME"])))
+    row = execute(connection, _IDENTITY_SQL[connection.vendor], [])[0]
+    return (connection.vendor, *(str(value) for value in row or ()))
+
+
+def same_server(identities: Mapping[str, tuple[str, ...]]) -> list[tuple[str, str]]:
+    """Pairs of aliases whose databases answered with the same identity."""
+    seen: dict[tuple[str, ...], str] = {}
+    pairs = []
+    for alias, identity in identities.items():
+        if identity in seen:
+            pairs.append((seen[identity], alias))
+        else:
+            seen[identity] = alias
     return pairs
 
 
@@ -124,13 +169,39 @@ def quorum_problems(databases: Sequence[str]) -> list[CheckMessage]:
         for alias in aliases:
             if alias in databases and not _has_lock_table(alias):
                 found.append(
-                    Error(
+                    Warning(
                         f"The database {alias!r} of the quorum {list(aliases)!r} has no "
-                        "django-dlock lock table.",
+                        "django-dlock lock table yet: locks on this quorum fail until it "
+                        "has.",
                         hint=f"Run `manage.py migrate django_dlock --database {alias}`.",
-                        id="dlock.E061",
+                        id="dlock.W061",
                     )
                 )
+        identities = _identities([alias for alias in aliases if alias in databases])
+        for first, second in same_server(identities):
+            found.append(
+                Error(
+                    f"The quorum {list(aliases)!r} counts one database twice: {first!r} and "
+                    f"{second!r} reach the same database on the same server.",
+                    hint="A quorum needs independent databases: point each alias at its "
+                    "own database (better: its own server).",
+                    id="dlock.E062",
+                )
+            )
+    return found
+
+
+def _identities(aliases: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The identity of each alias's database that answers (see :func:`server_identity`)."""
+    from django.db import DatabaseError
+
+    found = {}
+    for alias in aliases:
+        try:
+            connections[alias].ensure_connection()
+            found[alias] = server_identity(connections[alias])
+        except (DatabaseError, DatabaseUnavailable):
+            continue  # unreachable: Django's own checks say so
     return found
 
 

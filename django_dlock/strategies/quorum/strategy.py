@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -34,7 +35,7 @@ from django_dlock.retry import Deadline, interval
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import execute
 from django_dlock.strategies.lease import lease
-from django_dlock.strategies.quorum.aliases import majority
+from django_dlock.strategies.quorum.aliases import majority, same_server
 from django_dlock.strategies.quorum.rounds import Round, give_back, give_back_when_done, run_round
 from django_dlock.strategies.quorum.statements import (
     LiveRow,
@@ -43,7 +44,7 @@ from django_dlock.strategies.quorum.statements import (
     owned_sql,
     release_after_on,
 )
-from django_dlock.strategies.quorum.workers import coordinator
+from django_dlock.strategies.quorum.workers import coordinator, servers
 
 __all__ = [
     "DRIFT_FACTOR",
@@ -100,6 +101,8 @@ class _Held:
     valid_until: float
     #: the acquire of each database (some may still run when the lock is granted)
     first: dict[str, concurrent.futures.Future[Any]]
+    #: the databases' last answer to a renewal or an ownership check
+    last: Round | None = None
 
 
 class QuorumLease:
@@ -217,6 +220,7 @@ class QuorumLease:
         first = run_round(
             self.aliases, req.ttl, end, acquire_on, lambda fence: fence is not None, self.need
         )
+        self._refuse_twins(first, mine)
         raised: set[str] = set()
         fence = 0
         if len(first.accepted) >= self.need:
@@ -224,7 +228,7 @@ class QuorumLease:
             raised = {alias for alias, f in first.accepted.items() if f == fence}
             lower = [alias for alias in first.accepted if alias not in raised]
             if lower and len(raised) < self.need:
-                raised |= self._raise_fences(lower, mine, fence, validity_end)
+                raised |= self._raise_fences(lower, mine, fence, end)
         if len(raised) >= self.need and time.monotonic() < validity_end:
             with self._mutex:
                 self._held[(req.token, req.key.name)] = _Held(
@@ -237,10 +241,37 @@ class QuorumLease:
         give_back(first.futures, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
         return first
 
-    def _raise_fences(
-        self, aliases: list[str], mine: Request, fence: int, validity_end: float
-    ) -> set[str]:
-        """Raise the row of each database in ``aliases`` to ``fence``; where it worked."""
+    def _refuse_twins(self, first: Round, mine: Request) -> None:
+        """Raise if two of the databases turned out to be one (before any grant).
+
+        Each worker learns what its database is when it connects (see
+        :func:`~django_dlock.strategies.quorum.aliases.server_identity`):
+        ``127.0.0.1`` and ``localhost`` are one server, and would cast two
+        votes of a majority.
+
+        Raises:
+            ImproperlyConfigured: two aliases reach the same database.
+        """
+        known = {alias: servers[alias] for alias in self.aliases if alias in servers}
+        twins = same_server(known)
+        if not twins:
+            return
+        give_back(first.futures, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
+        one, other = twins[0]
+        raise ImproperlyConfigured(
+            f"the quorum {list(self.aliases)!r} counts one database twice: {one!r} and "
+            f"{other!r} reach the same database on the same server; a quorum needs "
+            "independent databases (system check dlock.E062)"
+        )
+
+    def _raise_fences(self, aliases: list[str], mine: Request, fence: int, end: float) -> set[str]:
+        """Raise the row of each database in ``aliases`` to ``fence``; where it worked.
+
+        Waits for the answers until ``end``: the same end as the round's
+        first step (the caller's deadline, at least :data:`ROUND_FLOOR`,
+        never past the validity), so a slow or silent database cannot keep
+        the caller past its timeout.
+        """
 
         def raise_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
             def run(connection: BaseDatabaseWrapper) -> int:
@@ -249,9 +280,7 @@ class QuorumLease:
 
             return run
 
-        done = run_round(
-            aliases, mine.ttl, validity_end, raise_on, lambda rows: rows > 0, 1, wait_all=True
-        )
+        done = run_round(aliases, mine.ttl, end, raise_on, lambda rows: rows > 0, 1, wait_all=True)
         return set(done.accepted)
 
     def try_acquire(self, req: Request) -> int | None:
@@ -315,6 +344,7 @@ class QuorumLease:
             return lambda connection: lease.extend_on(connection, mine, ttl)
 
         answer = run_round(self.aliases, ttl, end, extend_on, bool, self.need, wait_all=True)
+        held.last = answer
         if len(answer.accepted) >= self.need and time.monotonic() < validity_end:
             with self._mutex:
                 held.aliases = frozenset(answer.accepted)
@@ -330,7 +360,8 @@ class QuorumLease:
         held = self._holding(req)
         if held is None:
             return False
-        return self._counts(held, self._ask(req.key, held.token, req.ttl))
+        held.last = self._ask(req.key, held.token, req.ttl)
+        return self._counts(held, held.last)
 
     def locked(self, alias: str, key: Key) -> bool:
         answer = self._ask(key, None, ROUND_FLOOR)
@@ -352,7 +383,19 @@ class QuorumLease:
         return run_round(self.aliases, ttl, end, ask_on, bool, self.need, wait_all=True)
 
     def loss_reason(self, req: Request) -> str:
-        return "a majority of its databases no longer has its lease"
+        """Why the holding is lost, from the databases' last answer about it.
+
+        Databases that answered "not yours" took it away; databases that did
+        not answer may still have the lease (it runs out there on its own).
+        """
+        held = self._holding(req)
+        last = None if held is None else held.last
+        if last is None or len(last.refused) >= self.need:
+            return "a majority of its databases no longer has its lease"
+        return (
+            f"a majority of its databases could not be reached ({last.why()}); "
+            "its lease there runs out on its own"
+        )
 
     # -- leader elections: what a standby reads ------------------------------------
 

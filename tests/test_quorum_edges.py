@@ -1,0 +1,246 @@
+"""Quorum locks at their edges: a slow database, a silent one, one server
+under two names, a new database of a quorum, and why a holding was lost.
+
+Runs on the quorum databases ``q1``, ``q2`` and ``q3`` of the test server
+(see tests/test_quorum.py). A database is made slow with a trigger that
+sleeps, or silent by a transaction that keeps the key's row locked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.db import connections
+
+import django_dlock as dlock
+from django_dlock.checks import check_quorum_tables
+from django_dlock.signals import lock_lost
+from django_dlock.strategies import quorum
+from django_dlock.strategies.quorum import workers
+
+from .test_quorum import QUORUM, bring_up, eventually, take_down
+
+DATABASES = ["default", *QUORUM]
+
+
+@pytest.fixture(autouse=True)
+def _close_workers() -> Iterator[None]:
+    yield
+    quorum.close_all()
+
+
+# -- the caller's timeout holds in every round ----------------------------------
+
+_SLOW_RAISE = """
+CREATE OR REPLACE FUNCTION dlock_test_slow_raise() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_sleep(6);
+    RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER dlock_test_slow_raise BEFORE UPDATE ON django_dlock_lock
+    FOR EACH ROW WHEN (OLD.token = NEW.token AND NEW.fence > OLD.fence)
+    EXECUTE FUNCTION dlock_test_slow_raise();
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_the_round_that_raises_the_fence_ends_at_the_callers_timeout():
+    # q1's fencing number is far ahead: a grant on all three databases must
+    # raise q2's and q3's rows to it, and there that update is slow (6 s).
+    with connections["q1"].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+            "VALUES ('lock:q-slow', '', '', 1000, now(), now())"
+        )
+    for alias in ("q2", "q3"):
+        with connections[alias].cursor() as cur:
+            cur.execute(_SLOW_RAISE)
+    try:
+        lk = dlock.lock("q-slow", using=QUORUM, ttl=30)
+        started = time.monotonic()
+        acquired = lk.acquire(timeout=1)
+        elapsed = time.monotonic() - started
+        if acquired:
+            lk.release()
+    finally:
+        quorum.close_all()  # waits for the slow updates
+        for alias in ("q2", "q3"):
+            with connections[alias].cursor() as cur:
+                cur.execute("DROP TRIGGER dlock_test_slow_raise ON django_dlock_lock")
+                cur.execute("DROP FUNCTION dlock_test_slow_raise()")
+    # no majority at one fencing number within the timeout: not acquired,
+    # and the caller was not kept until the slow databases answered (6 s)
+    assert acquired is False
+    assert elapsed < 4, f"acquire(timeout=1) returned after {elapsed:.1f} s"
+
+
+# -- a silent database gets no backlog ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_silent_database_gets_no_backlog_and_no_late_statements():
+    lk = dlock.lock("q-silent", using=QUORUM, ttl=30)
+    lk.acquire()
+    lk.release()
+    # q3 stops answering for this key: its row stays locked by another session
+    blocker = connections["q3"].copy("q3")
+    blocker.connect()
+    blocker.set_autocommit(False)
+    with blocker.cursor() as cur:
+        cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = 'lock:q-silent' FOR UPDATE")
+    try:
+        for _ in range(40):  # q1 and q2 make every majority
+            assert lk.acquire(timeout=5) is True
+            lk.release()
+        queued = workers._pools["q3"]._work_queue.qsize()
+        assert queued <= workers.WORKERS_PER_ALIAS, f"{queued} statements queued for q3"
+    finally:
+        blocker.rollback()
+        blocker.close()
+
+
+# -- one server under two names -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q1_by_name(django_db_blocker) -> Iterator[str]:
+    # Module scope: the alias must exist before the test case starts.
+    settings = dict(connections.settings["q1"])
+    settings["HOST"] = "localhost" if settings["HOST"] != "localhost" else "127.0.0.1"
+    connections.settings["q1_by_name"] = settings
+    try:
+        yield "q1_by_name"
+    finally:
+        with django_db_blocker.unblock():
+            connections["q1_by_name"].close()
+        del connections.settings["q1_by_name"]
+
+
+@pytest.mark.django_db(transaction=True, databases=[*DATABASES, "q1_by_name"])
+def test_one_server_under_two_host_names_is_refused(q1_by_name):
+    using = ["q1", q1_by_name, "q2"]
+    lk = dlock.lock("q-twice", using=using, ttl=30)  # the settings differ: not seen yet
+    with pytest.raises(ImproperlyConfigured, match="counts one database twice"):
+        lk.acquire(timeout=0)
+    assert not lk.held()
+    # no lease is left behind on the databases
+    for alias in ("q1", "q2"):
+        assert eventually(lambda alias=alias: live(alias, "lock:q-twice") == 0)
+    # the lock declared this quorum: `check --database` names the twins
+    ids = [message.id for message in check_quorum_tables(databases=using)]
+    assert ids == ["dlock.E062"]
+
+
+def live(alias: str, name: str) -> int:
+    with connections[alias].cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM django_dlock_lock "
+            "WHERE name = %s AND token <> '' AND expire_at > now()",
+            [name],
+        )
+        return int(cur.fetchone()[0])
+
+
+@pytest.mark.django_db(databases=[*DATABASES, "q1_by_name"])
+def test_check_e062_one_server_under_two_host_names(settings, q1_by_name):
+    settings.DLOCK_QUORUMS = [["q1", q1_by_name, "q2"], QUORUM]
+    messages = check_quorum_tables(databases=[*QUORUM, q1_by_name])
+    e062 = [m for m in messages if m.id == "dlock.E062"]
+    assert len(e062) == 1
+    assert "'q1'" in e062[0].msg and f"'{q1_by_name}'" in e062[0].msg
+
+
+# -- a new database of a quorum can be migrated -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def fresh(django_db_blocker) -> Iterator[str]:
+    """A new, empty database on the test server, as the alias ``fresh``."""
+    settings = dict(connections.settings["q1"])
+    name = f"{settings['NAME']}_fresh"
+    settings["NAME"] = name
+    with django_db_blocker.unblock(), connections["default"].cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cur.execute(f'CREATE DATABASE "{name}"')
+    connections.settings["fresh"] = settings
+    try:
+        yield "fresh"
+    finally:
+        with django_db_blocker.unblock():
+            connections["fresh"].close()
+            del connections.settings["fresh"]
+            with connections["default"].cursor() as cur:
+                cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.mark.django_db(transaction=True, databases=[*DATABASES, "fresh"])
+def test_a_new_database_of_a_quorum_can_be_migrated(settings, fresh):
+    settings.DLOCK_QUORUMS = [["q1", "q2", fresh]]
+    before = [m.id for m in check_quorum_tables(databases=[fresh])]
+    assert before == ["dlock.W061"]  # a warning: migrate itself must still run
+    call_command("migrate", "django_dlock", database=fresh, verbosity=0)
+    assert check_quorum_tables(databases=[fresh]) == []
+    with dlock.lock("q-fresh", using=["q1", "q2", fresh], ttl=30) as lk:
+        assert lk.held()
+    call_command("migrate", database=fresh, verbosity=0)  # the test's teardown flushes it
+
+
+# -- why a holding was lost ------------------------------------------------------------
+
+
+@pytest.fixture
+def outage() -> Iterator[None]:
+    yield
+    for alias in QUORUM:
+        bring_up(alias)
+
+
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_holding_lost_to_unreachable_databases_says_so(outage):
+    reasons: list[str] = []
+
+    def lost(sender, name, strategy, reason, **kwargs):
+        reasons.append(reason)
+
+    lock_lost.connect(lost)
+    try:
+        lk = dlock.lock("q-unreachable", using=QUORUM, ttl=1)
+        lk.acquire()
+        take_down("q1")
+        take_down("q2")
+        time.sleep(1.1)  # past the validity: the silent databases no longer count
+        assert lk.owned() is False
+        with pytest.raises(dlock.LockLost, match="could not be reached"):
+            lk.release()
+    finally:
+        lock_lost.disconnect(lost)
+    assert reasons and "could not be reached" in reasons[0]
+    assert "q1" in reasons[0] and "q2" in reasons[0]
+
+
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_holding_taken_away_on_a_majority_says_so():
+    lk = dlock.lock("q-taken", using=QUORUM, ttl=30)
+    lk.acquire()
+    for alias in ("q1", "q2"):
+        with connections[alias].cursor() as cur:
+            cur.execute("UPDATE django_dlock_lock SET token = '' WHERE name = 'lock:q-taken'")
+    assert lk.owned() is False
+    with pytest.raises(dlock.LockLost, match="no longer has its lease"):
+        lk.release()
+
+
+# -- two-phase acquire on a quorum -------------------------------------------------------
+
+
+@pytest.mark.django_db(databases=[])
+def test_enqueue_on_a_quorum_lock_says_quorum_locks_cannot():
+    lk = dlock.lock("q-enqueue", using=QUORUM)
+    with pytest.raises(dlock.StrategyNotSupported, match="not supported on a quorum lock"):
+        lk.enqueue()
