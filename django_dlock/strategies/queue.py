@@ -281,24 +281,35 @@ def waiters(alias: str, names: Iterable[str]) -> list[tuple[str, int, str, Any, 
 # -- the keeper: renews tickets taken by enqueue() until wait() -----------------
 
 
+class _Kept:
+    """A ticket the keeper renews: its request, whether its place is still
+    wanted, and a lock held while the keeper works on it."""
+
+    def __init__(self, req: Request, wanted: Callable[[], bool]) -> None:
+        self.req = req
+        self.wanted = wanted
+        self.busy = threading.Lock()
+
+
 class _Keeper:
     """A daemon thread that renews the tickets of callers between enqueue() and wait()."""
 
     def __init__(self) -> None:
         self.mutex = threading.Lock()
-        #: ticket -> (its request, whether the thread or task that took it still runs)
-        self.tickets: dict[int, tuple[Request, Callable[[], bool]]] = {}
+        #: ticket -> what the keeper needs to renew it
+        self.tickets: dict[int, _Kept] = {}
         self.changed = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def add(self, req: Request, ticket: int, alive: Callable[[], bool]) -> None:
-        """Renew ``ticket`` until :meth:`remove`, or until its holder is gone.
+    def add(self, req: Request, ticket: int, wanted: Callable[[], bool]) -> None:
+        """Renew ``ticket`` until :meth:`remove`, or until ``wanted()`` is false.
 
-        A thread or task that took a place and ended without ``wait()`` gives
-        the place up (its ticket is deleted), so it blocks nobody.
+        A place nobody wants any more (the thread or task that took it ended
+        without ``wait()``, the lock object was dropped, the place ran out)
+        is given up: its ticket is deleted, so it blocks nobody.
         """
         with self.mutex:
-            self.tickets[ticket] = (req, alive)
+            self.tickets[ticket] = _Kept(req, wanted)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="django-dlock-ticket-keeper", daemon=True
@@ -306,10 +317,20 @@ class _Keeper:
                 self.thread.start()
 
     def remove(self, ticket: int) -> None:
+        """Stop renewing ``ticket``; returns once no renewal of it is in flight.
+
+        The caller is about to use the ticket (``wait()``) or delete it: a
+        renewal still running could otherwise put back a ticket that was
+        just granted or deleted, and that ghost would block the free key for
+        a whole ticket lifetime.
+        """
         with self.mutex:
-            self.tickets.pop(ticket, None)
+            kept = self.tickets.pop(ticket, None)
             if not self.tickets:
                 self.changed.set()  # let the thread end (and close its connection) now
+        if kept is not None:
+            with kept.busy:
+                pass
 
     def _run(self) -> None:
         try:
@@ -321,24 +342,27 @@ class _Keeper:
                     if not found:
                         self.thread = None
                         return
-                for ticket, (req, alive) in found:
-                    with self.mutex:
-                        if ticket not in self.tickets:
-                            continue
-                        orphan = not alive()
-                        if orphan:
-                            del self.tickets[ticket]
-                    try:
-                        if orphan:
-                            leave(req.alias, ticket)
-                        else:
-                            beat(req, ticket)
-                    except Exception as exc:
-                        logger.warning(
-                            "django-dlock: could not renew waiter ticket %s: %s", ticket, exc
-                        )
+                for ticket, kept in found:
+                    self._keep(ticket, kept)
         finally:
             connections.close_all()
+
+    def _keep(self, ticket: int, kept: _Kept) -> None:
+        """Renew one ticket, or give it up if its place is no longer wanted."""
+        with kept.busy:  # remove() waits for this
+            with self.mutex:
+                if self.tickets.get(ticket) is not kept:
+                    return  # removed meanwhile: the ticket is its owner's again
+                orphan = not kept.wanted()
+                if orphan:
+                    del self.tickets[ticket]
+            try:
+                if orphan:
+                    leave(kept.req.alias, ticket)
+                else:
+                    beat(kept.req, ticket)
+            except Exception as exc:
+                logger.warning("django-dlock: could not renew waiter ticket %s: %s", ticket, exc)
 
 
 keeper = _Keeper()
