@@ -462,6 +462,9 @@ class Lock:
     def release(self) -> None:
         """Release the lock (one level of re-entry).
 
+        Between :meth:`enqueue` and :meth:`wait`, it gives the caller's place
+        in the queue up instead (and the keys ``enqueue`` took before it).
+
         Raises:
             LockNotOwned: the calling thread or task does not hold it.
             LockLost: it was held but has been lost (its lease ran out or was
@@ -475,11 +478,19 @@ class Lock:
                 database until it runs out.
         """
         holder = current_holder()
+        if two_phase.has_place(self, holder):
+            two_phase.give_up(self, holder)
+            return
         holdings.release_all(holder, self._all_held(holder, releasing=True))
 
     async def arelease(self) -> None:
         """Async :meth:`release`."""
         holder = current_holder()
+        if two_phase.has_place(self, holder):
+            await to_the_end(
+                functools.partial(two_phase.give_up, self, holder), f"giving up {self.name!r}"
+            )
+            return
         release = functools.partial(
             holdings.release_all, holder, self._all_held(holder, releasing=True)
         )

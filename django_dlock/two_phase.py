@@ -13,14 +13,18 @@ queue taken before slow work starts) splits ``acquire`` in two:
   of the keys in order (all or none).
 
 The place belongs to the holder (thread or task) that took it and is kept
-per :class:`~django_dlock.locks.Lock` object until ``wait``. Keys are taken
-by the same walk as ``acquire`` (:class:`~django_dlock.acquiring.Attempt`).
+per :class:`~django_dlock.locks.Lock` object until ``wait``, or until
+:func:`give_up` (``release()``). A place nobody can wait for any more ends
+by itself (see :func:`_wanted`). Keys are taken by the same walk as
+``acquire`` (:class:`~django_dlock.acquiring.Attempt`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,7 +43,7 @@ from django_dlock.strategies.lease import LeaseStrategy
 if TYPE_CHECKING:
     from django_dlock.locks import Lock
 
-__all__ = ["aenqueue", "await_lock", "enqueue", "wait"]
+__all__ = ["aenqueue", "await_lock", "enqueue", "give_up", "has_place", "wait"]
 
 
 @dataclass
@@ -90,20 +94,32 @@ def _enqueue_begin(lock: Lock, holder: Holder) -> tuple[str, Strategy]:
     return alias, strategy
 
 
-def _pending(holder: Holder, strategy: Strategy, req: Request) -> Pending:
-    impl = pending_capable(strategy, connections[req.alias].vendor)
-    assert impl is not None
-    return Pending(impl, req, holder)
+def _wanted(lock: Lock) -> Callable[[], bool]:
+    """Whether a place the calling holder takes on ``lock`` may still be waited for.
+
+    It may while the thread or task that took it runs, the
+    :class:`~django_dlock.locks.Lock` object it was taken with exists (its
+    place is kept on it), and for at most the lock's ``ttl`` seconds: a
+    place is a lease on a position in the queue. Code that raised between
+    ``enqueue()`` and ``wait()`` therefore blocks nobody for long.
+    """
+    alive = holder_alive()
+    lock_ref = weakref.ref(lock)
+    until = time.monotonic() + lock.ttl
+    return lambda: alive() and lock_ref() is not None and time.monotonic() < until
 
 
 def _queue_at(lock: Lock, attempt: Attempt, req: Request, ticket: int | None) -> None:
     """Keep the place taken for ``req`` (a lease ticket, else a pending advisory lock)."""
     holder = attempt.holder
+    wanted = _wanted(lock)
     if ticket is not None:
-        queue.keeper.add(req, ticket, holder_alive())
+        queue.keeper.add(req, ticket, wanted)
         queued = Queued(req, len(attempt.taken), ticket=ticket)
     else:
-        queued = Queued(req, len(attempt.taken), pending=_pending(holder, attempt.strategy, req))
+        impl = pending_capable(attempt.strategy, connections[req.alias].vendor)
+        assert impl is not None
+        queued = Queued(req, len(attempt.taken), pending=Pending(impl, req, holder, wanted))
     _queued_places(lock)[holder.token()] = queued
 
 
@@ -133,16 +149,51 @@ async def aenqueue(lock: Lock) -> bool:
     return False
 
 
+def _claim(queued: Queued) -> bool:
+    """Take the place back from whoever kept it; ``False`` if it was given up meanwhile."""
+    if queued.ticket is not None:
+        return queue.keeper.remove(queued.ticket)
+    assert queued.pending is not None
+    return queued.pending.claim()
+
+
 def _wait_begin(
     lock: Lock, holder: Holder, timeout: float | None
-) -> tuple[Queued | None, Deadline]:
+) -> tuple[Queued | None, Deadline, bool]:
+    """The caller's place (``None``: ``enqueue`` acquired), the deadline, and
+    whether the place is still there to wait for."""
     deadline = Deadline(lock._resolve_timeout(True, timeout))
     queued = _queued_places(lock).pop(holder.token(), None)
     if queued is None and not lock.owned(holder):
         raise DLockError(f"{lock.name!r}: wait() without enqueue() (or after it gave up)")
-    if queued is not None and queued.ticket is not None:
-        queue.keeper.remove(queued.ticket)
-    return queued, deadline
+    return queued, deadline, queued is None or _claim(queued)
+
+
+def has_place(lock: Lock, holder: Holder) -> bool:
+    """Whether ``holder`` has a place on ``lock`` (taken by ``enqueue``, not waited for)."""
+    found: dict[str, Queued] | None = getattr(lock, "_queued_by_holder", None)
+    return found is not None and holder.token() in found
+
+
+def give_up(lock: Lock, holder: Holder) -> None:
+    """Give up ``holder``'s place on ``lock`` and the keys ``enqueue`` took before it.
+
+    ``release()`` between ``enqueue()`` and ``wait()``: the ticket is
+    deleted (the next waiter woken on PostgreSQL), or the pending advisory
+    lock cancelled in the server (and given back if it was granted).
+    """
+    queued = _queued_places(lock).pop(holder.token(), None)
+    if queued is None:
+        return
+    attempt = _attempt_after(lock, holder, queued, Deadline(0.0))
+    try:
+        if queued.ticket is not None:
+            if queue.keeper.remove(queued.ticket):
+                queue.leave(queued.req.alias, queued.ticket)
+        elif queued.pending is not None:
+            queued.pending.give_up()
+    finally:
+        attempt.undo()
 
 
 def _attempt_after(lock: Lock, holder: Holder, queued: Queued, deadline: Deadline) -> Attempt:
@@ -155,10 +206,13 @@ def _attempt_after(lock: Lock, holder: Holder, queued: Queued, deadline: Deadlin
 def wait(lock: Lock, timeout: float | None) -> bool:
     """:meth:`Lock.wait`: block for the place, then take the remaining keys."""
     holder = current_holder()
-    queued, deadline = _wait_begin(lock, holder, timeout)
+    queued, deadline, kept = _wait_begin(lock, holder, timeout)
     if queued is None:
         return True
     attempt = _attempt_after(lock, holder, queued, deadline)
+    if not kept:  # the place ran out before wait() (see _wanted)
+        attempt.undo()
+        return False
     sent_at = time.monotonic()
     try:
         if queued.pending is not None:
@@ -200,10 +254,13 @@ async def _await_place(lock: Lock, queued: Queued, deadline: Deadline) -> Grant 
 async def await_lock(lock: Lock, timeout: float | None) -> bool:
     """:meth:`Lock.await_lock`: cancelling it gives the place up and leaves no lock."""
     holder = current_holder()
-    queued, deadline = await sync_to_async(_wait_begin)(lock, holder, timeout)
+    queued, deadline, kept = await sync_to_async(_wait_begin)(lock, holder, timeout)
     if queued is None:
         return True
     attempt = _attempt_after(lock, holder, queued, deadline)
+    if not kept:  # the place ran out before await_lock() (see _wanted)
+        await attempt.aundo()
+        return False
     sent_at = time.monotonic()
     try:
         grant = await _await_place(lock, queued, deadline)

@@ -8,6 +8,8 @@ server's queue.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 
 import pytest
@@ -72,3 +74,120 @@ def test_a_renewal_in_flight_never_puts_back_a_ticket_wait_used(pg, monkeypatch)
     # no ticket came back for the key: a newcomer takes the free key at once
     assert _tickets(pg, "lock:tp-race", live_only=True) == 0
     assert in_thread(lambda: dlock.lock("tp-race", using=pg).acquire(timeout=0)) is True
+
+
+# -- giving a place up ---------------------------------------------------------------
+
+CASES = [
+    pytest.param("lease", "default", id="lease-postgresql"),
+    pytest.param("lease", "sqlite", id="lease-sqlite"),
+    pytest.param("lease", "mysql", id="lease-mariadb"),
+    pytest.param("advisory", "default", id="advisory-postgresql"),
+]
+
+
+def _try(alias: str, key: str, strategy: str, timeout: float = 0) -> bool:
+    """In a thread of its own: whether a newcomer gets the key (and lets it go)."""
+
+    def run() -> bool:
+        lk = dlock.lock(key, using=alias, strategy=strategy)
+        if not lk.acquire(timeout=timeout):
+            return False
+        lk.release()
+        return True
+
+    return bool(in_thread(run))
+
+
+@pytest.mark.parametrize(("strategy", "alias"), CASES)
+def test_release_between_enqueue_and_wait_gives_the_place_up(strategy, alias):
+    key = f"tp-give-up-{strategy}"
+    holder = Holder(alias, key, strategy)
+    result: dict[str, object] = {}
+
+    def waiter() -> None:
+        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=30)
+        result["enqueued"] = lk.enqueue()
+        lk.release()  # changed our mind: no LockNotOwned, the place is gone
+        result["owned"] = lk.owned()
+
+    in_thread(waiter)
+    holder.release()
+    assert result == {"enqueued": False, "owned": False}
+    if strategy == "lease":
+        assert _tickets(alias, f"lock:{key}") == 0
+    assert _try(alias, key, strategy)  # nobody waits, nobody holds it
+
+
+class _Pooled:
+    """A thread that lives on after its job raised (as pool threads do)."""
+
+    def __init__(self, job) -> None:
+        self.raised = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(job,))
+        self.thread.start()
+        assert self.raised.wait(30)
+
+    def _run(self, job) -> None:
+        try:
+            with contextlib.suppress(ValueError):
+                job()
+            gc.collect()
+            self.raised.set()
+            self.stop.wait(60)
+        finally:
+            connections.close_all()
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+@pytest.mark.parametrize(("strategy", "alias"), CASES)
+def test_a_place_whose_lock_object_is_gone_blocks_nobody(strategy, alias):
+    key = f"tp-dropped-{strategy}"
+    holder = Holder(alias, key, strategy)
+
+    def job() -> None:
+        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=60)
+        assert lk.enqueue() is False
+        raise ValueError("the work between enqueue() and wait() failed")
+
+    pooled = _Pooled(job)
+    try:
+        holder.release()
+        # the thread lives on, but its place (and on advisory a lock granted
+        # to it, which nobody would release) goes: a newcomer gets the key
+        assert _try(alias, key, strategy, timeout=10)
+    finally:
+        pooled.end()
+
+
+@pytest.mark.parametrize(("strategy", "alias"), CASES)
+def test_a_place_not_waited_for_within_the_ttl_runs_out(strategy, alias):
+    key = f"tp-ttl-{strategy}"
+    holder = Holder(alias, key, strategy)
+    lk = dlock.lock(key, using=alias, strategy=strategy, ttl=1)
+    kept: dict[str, object] = {}
+    enqueued, go_on = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        try:
+            kept["enqueued"] = lk.enqueue()
+            enqueued.set()
+            go_on.wait(30)  # the lock object and the thread live on
+            kept["waited"] = lk.wait(timeout=0)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert enqueued.wait(30)
+        holder.release()
+        assert _try(alias, key, strategy, timeout=10)
+    finally:
+        go_on.set()
+        thread.join(30)
+    assert kept == {"enqueued": False, "waited": False}

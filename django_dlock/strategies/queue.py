@@ -316,21 +316,23 @@ class _Keeper:
                 )
                 self.thread.start()
 
-    def remove(self, ticket: int) -> None:
+    def remove(self, ticket: int) -> bool:
         """Stop renewing ``ticket``; returns once no renewal of it is in flight.
 
         The caller is about to use the ticket (``wait()``) or delete it: a
         renewal still running could otherwise put back a ticket that was
         just granted or deleted, and that ghost would block the free key for
-        a whole ticket lifetime.
+        a whole ticket lifetime. ``False`` if the keeper had given the place
+        up already (nobody wanted it): the ticket is gone.
         """
         with self.mutex:
             kept = self.tickets.pop(ticket, None)
             if not self.tickets:
                 self.changed.set()  # let the thread end (and close its connection) now
-        if kept is not None:
-            with kept.busy:
-                pass
+        if kept is None:
+            return False
+        with kept.busy:
+            return True
 
     def _run(self) -> None:
         try:

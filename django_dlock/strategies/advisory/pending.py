@@ -11,6 +11,8 @@ wait in the server, and a lock granted in the meantime is given back.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from collections.abc import Callable
 
 from django_dlock._threads import start_db_thread
 from django_dlock.identity import Holder
@@ -20,6 +22,8 @@ from django_dlock.strategies.base import Grant, Request, Strategy
 
 #: longest a give-up waits for the cancelled statement to come back
 GIVE_UP_SECONDS = 30.0
+#: how often a place checks whether it is still wanted
+WATCH_SECONDS = 0.25
 
 
 def pending_capable(strategy: Strategy, vendor: str) -> SessionAsyncAcquire | None:
@@ -32,14 +36,39 @@ def pending_capable(strategy: Strategy, vendor: str) -> SessionAsyncAcquire | No
 
 
 class Pending:
-    """A ``pg_advisory_lock`` waiting in PostgreSQL's queue for one holder."""
+    """A ``pg_advisory_lock`` waiting in PostgreSQL's queue for one holder.
 
-    def __init__(self, strategy: SessionAsyncAcquire, req: Request, holder: Holder) -> None:
+    The place is kept while ``wanted()`` says so; a place nobody wants any
+    more (see :func:`django_dlock.two_phase.enqueue`) is given up by a
+    watcher thread: the wait is cancelled in the server, and a lock granted
+    meanwhile, which nobody would ever release, is given back.
+    """
+
+    def __init__(
+        self,
+        strategy: SessionAsyncAcquire,
+        req: Request,
+        holder: Holder,
+        wanted: Callable[[], bool],
+    ) -> None:
         self.strategy = strategy
         self.req = req
         self.waiter = AsyncWait()
         self.future: concurrent.futures.Future[Grant | None] = concurrent.futures.Future()
+        self._mutex = threading.Lock()
+        #: "waiting", then "claimed" by wait(), "ended" once given up
+        self._state = "waiting"
+        self._settled = threading.Event()
         start_db_thread(lambda: self._run(holder), "django-dlock-pending")
+        threading.Thread(
+            target=self._watch, args=(wanted,), name="django-dlock-pending-watch", daemon=True
+        ).start()
+
+    def _watch(self, wanted: Callable[[], bool]) -> None:
+        while not self._settled.wait(WATCH_SECONDS):
+            if not wanted():
+                self._end(("waiting",))
+                return
 
     def _run(self, holder: Holder) -> None:
         try:
@@ -48,6 +77,15 @@ class Pending:
             self.future.set_exception(exc)
         else:
             self.future.set_result(result)
+
+    def claim(self) -> bool:
+        """``wait()`` takes the place; ``False`` if it was given up already."""
+        with self._mutex:
+            if self._state != "waiting":
+                return False
+            self._state = "claimed"
+        self._settled.set()
+        return True
 
     def wait(self, timeout: float | None) -> Grant | None:
         """The grant, or ``None`` after giving the place up at ``timeout``."""
@@ -58,7 +96,18 @@ class Pending:
             return None
 
     def give_up(self) -> None:
-        """Cancel the wait in the server; give back a lock granted meanwhile."""
+        """Cancel the wait in the server; give back a lock granted meanwhile.
+
+        Once per place: a later call does nothing.
+        """
+        self._end(("waiting", "claimed"))
+
+    def _end(self, states: tuple[str, ...]) -> None:
+        with self._mutex:
+            if self._state not in states:
+                return
+            self._state = "ended"
+        self._settled.set()
         self.waiter.cancel()
         try:
             grant = self.future.result(GIVE_UP_SECONDS)
