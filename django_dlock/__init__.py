@@ -19,6 +19,7 @@ from django_dlock.exceptions import (
     LockReentrantError,
     LockTimeout,
     QuorumUnavailable,
+    SessionBusy,
     StrategyNotSupported,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "LockReentrantError",
     "LockTimeout",
     "QuorumUnavailable",
+    "SessionBusy",
     "StrategyNotSupported",
     "TaskLock",
     "__version__",

@@ -17,6 +17,7 @@ __all__ = [
     "LockReentrantError",
     "LockTimeout",
     "QuorumUnavailable",
+    "SessionBusy",
     "StrategyNotSupported",
 ]
 
@@ -62,6 +63,17 @@ class LockLost(LockNotOwned):
     a background renewal failed, or when the database session that held an
     advisory lock ended. It is a :class:`LockNotOwned`, because the caller
     no longer owns the lock.
+    """
+
+
+class SessionBusy(DLockError):
+    """The caller's ``advisory`` session waits in the server for a place taken
+    by ``enqueue()``.
+
+    Until ``wait()`` (or ``release()``, which gives the place up), that
+    session can run nothing else: the statement would queue behind the
+    waiting one for as long as it waits. Nothing was changed: a lock the
+    caller tried to release is still held.
     """
 
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from django_dlock import signals
 from django_dlock._threads import close_thread_connections
-from django_dlock.exceptions import DatabaseUnavailable, LockLost
+from django_dlock.exceptions import DatabaseUnavailable, LockLost, SessionBusy
 from django_dlock.identity import Holder, Slot, current_task, holder_alive
 from django_dlock.renewal import Renewer
 from django_dlock.strategies.base import Request, Strategy
@@ -311,6 +311,12 @@ def release_one(holder: Holder, holding: Holding) -> None:
     else:
         try:
             released = holding.strategy.release(req)
+        except SessionBusy:
+            # Nothing was sent: the lock is still held, and still this holder's.
+            holding.count += 1
+            holder.holdings[slot] = holding
+            holder.losses[slot] = holding.mark_lost
+            raise
         except DatabaseUnavailable as exc:
             logger.warning(
                 "django-dlock: could not release %s, the database could not be reached "

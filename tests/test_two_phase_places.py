@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 
 import pytest
 from django.db import connections
@@ -191,3 +192,46 @@ def test_a_place_not_waited_for_within_the_ttl_runs_out(strategy, alias):
         go_on.set()
         thread.join(30)
     assert kept == {"enqueued": False, "waited": False}
+
+
+# -- the session of an advisory place --------------------------------------------------
+
+
+def test_statements_behind_a_pending_advisory_place_get_a_named_error_at_once(pg):
+    holder = Holder(pg, "tp-busy-a", "advisory")
+    outcome: dict[str, object] = {}
+
+    def caller() -> None:
+        try:
+            other = dlock.lock("tp-busy-b", using=pg, strategy="advisory")
+            assert other.acquire(timeout=0)
+            place = dlock.lock("tp-busy-a", using=pg, strategy="advisory")
+            assert place.enqueue() is False
+            started = time.monotonic()
+            try:
+                dlock.lock("tp-busy-c", using=pg, strategy="advisory").acquire(timeout=3)
+            except dlock.DLockError as exc:
+                outcome["acquire"] = type(exc).__name__
+            try:
+                other.release()
+            except dlock.DLockError as exc:
+                outcome["release"] = type(exc).__name__
+            outcome["seconds"] = time.monotonic() - started
+            holder.release()
+            outcome["waited"] = place.wait(timeout=10)
+            place.release()
+            other.release()  # the session is free again
+            outcome["done"] = True
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join(20)
+    holder.release()  # (if the caller hung: it is let go)
+    thread.join(30)
+    assert outcome.get("acquire") == "SessionBusy"  # a DLockError
+    assert outcome.get("release") == "SessionBusy"
+    assert outcome["seconds"] < 2  # a named error at once, not after the wait
+    assert outcome.get("waited") is True and outcome.get("done") is True
+    assert not dlock.lock("tp-busy-b", using=pg, strategy="advisory").locked()

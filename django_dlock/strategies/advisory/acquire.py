@@ -19,10 +19,11 @@ given back.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DatabaseUnavailable, DLockError
+from django_dlock.exceptions import DatabaseUnavailable, DLockError, SessionBusy
 from django_dlock.identity import Holder, current_holder
 from django_dlock.retry import Deadline
 from django_dlock.strategies.advisory.executor import executor as advisory_executor
@@ -69,9 +70,11 @@ def on_session(
 class AsyncWait:
     """Cancellation of one async acquisition, shared with its worker thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, place: bool = False) -> None:
         self.cancelled = False
         self.session: Session | None = None
+        #: a two-phase place (``enqueue()``): the session runs nothing else meanwhile
+        self.place = place
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -144,9 +147,17 @@ class SessionAsyncAcquire:
         if waiter is not None:
             waiter.session = session  # cancelling the task interrupts the wait
         try:
-            grant = self._take(session, req, deadline, waiter)
+            if waiter is not None and waiter.place:
+                session.place = (req.key.name, threading.get_ident())
+            try:
+                grant = self._take(session, req, deadline, waiter)
+            finally:
+                if waiter is not None and waiter.place:
+                    session.place = None
         except (SessionLost, SessionSwitched):
             raise  # the session is gone: it holds nothing
+        except SessionBusy:
+            raise  # nothing was sent: nothing to settle
         except BaseException as exc:
             self._settle(session, req)
             if isinstance(exc, self._database_error()):

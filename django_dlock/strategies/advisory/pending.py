@@ -53,7 +53,7 @@ class Pending:
     ) -> None:
         self.strategy = strategy
         self.req = req
-        self.waiter = AsyncWait()
+        self.waiter = AsyncWait(place=True)
         self.future: concurrent.futures.Future[Grant | None] = concurrent.futures.Future()
         self._mutex = threading.Lock()
         #: "waiting", then "claimed" by wait(), "ended" once given up

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 
-from django_dlock.exceptions import DatabaseUnavailable, DLockError
+from django_dlock.exceptions import DatabaseUnavailable, DLockError, SessionBusy
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -147,6 +147,9 @@ class Session:
         self.pins = 0
         self._wait_mutex = threading.Lock()
         self._waiting = False
+        #: the key whose two-phase place waits on this session, and the thread
+        #: that waits for it (every other thread gets SessionBusy)
+        self.place: tuple[str, int] | None = None
 
     @property
     def alias(self) -> str:
@@ -168,8 +171,10 @@ class Session:
             SessionLost: the connection is gone (the session has ended); the
                 locks it held are reported lost.
             SessionSwitched: a pooler switched the server session.
+            SessionBusy: a two-phase place waits on the session.
             psycopg.Error: the statement failed (the session lives on).
         """
+        self._refuse_while_placed()
         with self.mutex:
             if self.lost is not None:
                 raise SessionLost(self.lost)
@@ -235,8 +240,9 @@ class Session:
 
         Raises:
             WaitCancelled: ``waiter`` was cancelled before the wait began.
-            SessionLost, SessionSwitched, psycopg.Error: as :meth:`run`.
+            SessionLost, SessionSwitched, SessionBusy, psycopg.Error: as :meth:`run`.
         """
+        self._refuse_while_placed()
         with self._wait_mutex:
             if waiter is not None and waiter.cancelled:
                 raise WaitCancelled()
@@ -263,6 +269,16 @@ class Session:
         if row[-1] != self.backend_pid:
             self._switched(str(row[-1]).encode())
         return tuple(row)
+
+    def _refuse_while_placed(self) -> None:
+        place = self.place
+        if place is not None and place[1] != threading.get_ident():
+            raise SessionBusy(
+                f"the advisory session of this holder on {self.alias!r} is waiting in the "
+                f"server for {place[0]!r} (a place taken by enqueue()): call wait() on that "
+                "lock first, or release() to give the place up; or take this lock with "
+                "another strategy (lease)"
+            )
 
     def cancel_wait(self) -> None:
         """Cancel the statement running in :meth:`wait`, if one is running."""
