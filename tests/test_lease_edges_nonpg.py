@@ -1,0 +1,50 @@
+"""The lease strategy at its edges on every database: names that differ only
+in case, accents or trailing spaces; a release inside a transaction that
+rolls back."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connections
+
+import django_dlock as dlock
+
+from .helpers import in_thread
+from .test_two_phase import Holder
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
+
+
+@pytest.mark.parametrize(
+    ("waited", "free"),
+    [("Invoice", "invoice"), ("café", "cafe"), ("a", "a "), ("b ", "b")],
+    ids=["case", "accent", "trailing-space", "no-trailing-space"],
+)
+def test_a_waiter_blocks_only_its_own_exact_name(alias, waited, free):
+    holder = Holder(alias, waited)
+    queued = threading.Event()
+    let_go = threading.Event()
+
+    def waiter() -> None:
+        try:
+            lk = dlock.lock(waited, using=alias, ttl=30)
+            assert lk.enqueue() is False  # a live ticket for `waited`
+            queued.set()
+            let_go.wait(30)
+            lk.release()  # gives the place up
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert queued.wait(30)
+        # a different name: free, and nobody waits for it
+        other = dlock.lock(free, using=alias)
+        assert in_thread(lambda: other.acquire(timeout=0) and (other.release() or True))
+    finally:
+        let_go.set()
+        thread.join(30)
+        holder.release()
