@@ -14,14 +14,21 @@ within its TTL.
 When ``extend`` reports that the caller no longer owns the lease (taken over,
 force-released or run out), the lock is lost at once. When ``extend`` raises (the
 database is unreachable), the renewer retries quickly until the lease would
-have run out, then declares the lock lost. Either way ``on_lost(reason)`` is
-called once, from the renewer's thread. The thread closes its own database
-connection when it ends, and keeps any unexpected exception for
-:meth:`stop` to re-raise.
+have run out, then declares the lock lost. When ``extend`` does not answer at
+all (a server that stopped answering, a network that drops packets), the
+lock is lost when the lease would have run out: each renewal runs on a
+worker thread of the renewer, which waits for it only until then. "Would
+have run out" is measured on this process's monotonic clock from the moment
+the last successful statement was *sent* (the acquire, then each renewal):
+the database stamped that lease at or after then, so it cannot have lasted
+longer. Either way ``on_lost(reason)`` is called once, from the renewer's
+thread. The worker closes its database connection when the renewer ends,
+and the renewer keeps any unexpected exception for :meth:`stop` to re-raise.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -47,6 +54,7 @@ class Renewer(threading.Thread):
         max_hold: float | None = None,
         interval: float | None = None,
         holder_alive: Callable[[], bool] | None = None,
+        lease_end: float | None = None,
     ) -> None:
         super().__init__(name=f"django-dlock-renew {name}", daemon=True)
         self.alias = alias
@@ -59,8 +67,13 @@ class Renewer(threading.Thread):
         self.renewals = 0
         self.holder_alive = holder_alive
         self.lock_name = name
+        #: monotonic time the lease surely lasts until (the acquire's send time + ttl)
+        self.lease_end = self.started_at + ttl if lease_end is None else lease_end
         self._halt = threading.Event()
         self._error: BaseException | None = None
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"django-dlock-renew-sql {name}"
+        )
 
     def halt(self) -> None:
         """Stop renewing soon, without waiting for the thread."""
@@ -81,11 +94,25 @@ class Renewer(threading.Thread):
         except BaseException as exc:  # kept for stop() to re-raise
             self._error = exc
         finally:
-            close_thread_connections(self.alias)
+            # after a renewal still stuck on a server that stopped answering, if any
+            self._worker.submit(close_thread_connections, self.alias)
+            self._worker.shutdown(wait=False)
+
+    def _extend(self, ttl: float, until: float) -> bool:
+        """``extend(ttl)`` on the worker thread, waiting for it at most ``until``.
+
+        Raises:
+            TimeoutError: no answer by then.
+        """
+        future = self._worker.submit(self.extend, ttl)
+        try:
+            return future.result(max(0.0, until - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("the database did not answer") from None
 
     def _loop(self) -> None:
-        lease_end = time.monotonic() + self.ttl  # our estimate, for retries only
-        wait = self.interval
+        lease_end = self.lease_end
+        wait = min(self.interval, max(0.0, lease_end - time.monotonic()))
         while not self._halt.wait(wait):
             if self.holder_alive is not None and not self.holder_alive():
                 logger.warning(
@@ -101,7 +128,13 @@ class Renewer(threading.Thread):
                 if ttl <= 0:
                     return  # max_hold reached: let the lease run out
             try:
-                still_owned = self.extend(ttl)
+                still_owned = self._extend(ttl, lease_end)
+            except TimeoutError:
+                self.on_lost(
+                    "no renewal reached the database before the lease ran out (on this "
+                    "process's clock, from when the last renewal was sent)"
+                )
+                return
             except Exception as exc:
                 if time.monotonic() >= lease_end:
                     self.on_lost(f"renewal failed until the lease ran out: {exc}")

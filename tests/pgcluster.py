@@ -217,6 +217,23 @@ class PrivateCluster:
                 raise TimeoutError("the killed primary still accepts connections")
             time.sleep(0.05)
 
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: a server that stops answering
+        (a frozen VM, a stalled disk). Connections stay open; nothing comes back."""
+        pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)
+        for child in _children(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Undo :meth:`freeze`: the server answers again."""
+        pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        for child in _children(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """A clean, fast shutdown: a standby connected to it gets all of its WAL first."""
         self._run("pg_ctl", "-D", str(self.data), "-w", "-m", "fast", "stop")

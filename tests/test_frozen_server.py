@@ -1,0 +1,55 @@
+"""A database server that stops answering (SIGSTOP of every process of a
+private PostgreSQL cluster): the holder of a lease hears that it lost the
+lock when the lease ran out on its own clock, not when the server answers
+again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import django_dlock as dlock
+
+from .pgcluster import PrivateCluster
+
+ALIAS = "freezable"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True, databases=["default", ALIAS]),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(django_db_blocker):
+    # Module scope: the alias must exist before the test case starts (Django 6
+    # refuses connections to an alias that appears during a test).
+    cluster = PrivateCluster(fsync="off").create()
+    try:
+        with django_db_blocker.unblock(), cluster.attached(ALIAS):
+            yield cluster
+    finally:
+        cluster.destroy()
+
+
+def test_a_lease_holder_cut_off_is_told_it_lost_when_the_lease_ran_out(cluster):
+    lost = threading.Event()
+    lk = dlock.lock("frozen", using=ALIAS, ttl=2, renew=True, on_lost=lambda error: lost.set())
+    assert lk.acquire(timeout=0)
+    try:
+        cluster.freeze()
+        frozen_at = time.monotonic()
+        # the lease ran out on the database's clock at most ttl after the last
+        # renewal was sent: the holder must know by then (and a little after)
+        assert lost.wait(30), "the holder was never told"
+        told_after = time.monotonic() - frozen_at
+        assert lk.lost
+        assert not lk.held()  # answered without the database
+    finally:
+        cluster.thaw()
+    assert told_after < 4, f"told {told_after:.1f} s after the server froze (ttl 2 s)"
+    with pytest.raises(dlock.LockLost):
+        lk.release()
