@@ -2,8 +2,9 @@
 
 ``acquire()``, ``enqueue()`` and the keys that ``wait()`` takes after its
 place was granted all take keys the same way: in sorted order, each one
-re-entered if the holder still holds it (a lease that may have run out is
-renewed first, or found lost) or tried, until one is busy; what the walk
+re-entered if the holder still holds it (a lease is renewed first, in one
+statement that also checks it is still the holder's, or found lost) or
+tried, until one is busy; what the walk
 took is given back, all or none, when it fails or raises (a cancelled task
 included).
 
@@ -70,7 +71,7 @@ class Attempt:
         try:
             for key in keys:
                 held = holdings.current(holder, (self.alias, self.strategy.family, key.name))
-                if held is not None and holdings.stale(held):
+                if held is not None and holdings.confirm_on_reentry(held):
                     await steps.renew(self, held)
                 if held is not None and lock._reenter(holder, held):
                     self.taken.append(key)

@@ -142,9 +142,16 @@ def current(holder: Holder, slot: Slot) -> Holding | None:
     return holding
 
 
-def stale(holding: Holding | None) -> bool:
-    """Whether ``holding`` is held (not known lost) but its lease may have run out."""
-    return holding is not None and not holding.lost and holding.may_have_expired()
+def confirm_on_reentry(holding: Holding) -> bool:
+    """Whether a re-entry of ``holding`` must first renew it on the database.
+
+    Every lease: within its lease too, since an operator may have
+    force-released it and someone else taken it (the renewal, one statement,
+    finds that out and reports the loss, so the caller contends afresh).
+    Strategies without a lease (sessions, transactions) end only with what
+    holds them.
+    """
+    return not holding.lost and holding.valid_until != math.inf
 
 
 # -- asking the database ---------------------------------------------------------
@@ -250,6 +257,7 @@ def take(
             extend=functools.partial(renew, holding),
             on_lost=_renewal_lost(holding),
             holder_alive=holder_alive(),
+            lease_end=sent_at + req.ttl,
         )
         holding.renewer = renewer
         renewer.start()

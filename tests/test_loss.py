@@ -4,6 +4,12 @@
 | lease expired, nobody took it | False | LockLost | LockLost | LockLost | contends afresh |
 | another holder took it | False | LockLost | LockLost | LockLost | contends afresh |
 | advisory session died | False | LockLost | LockLost | LockLost | contends afresh |
+| lease force-released, taken | False (owned) | LockLost | LockLost | LockLost | contends afresh |
+
+A force-released lease is found out by the holder's next statement (owned(),
+a renewal, extend(), release(), leaving the block, a re-entrant acquire);
+``held()`` answers from memory while the lease surely runs, so it is not a
+cell of that row.
 
 Leases really run out (a short ttl, waited for on the database clock), so
 the holder's own notion of time is part of what is tested. Each case also
@@ -20,6 +26,7 @@ from django.db import connections
 
 import django_dlock as dlock
 from django_dlock import sessions, signals
+from django_dlock.operations import force_release
 
 from .helpers import wait_until
 
@@ -35,10 +42,22 @@ CASES = [
     ("lease", "mysql", "taken"),
     ("advisory", "default", "session died"),
     ("advisory", "default", "taken"),
+    ("lease", "default", "force-released"),
+    ("lease", "sqlite", "force-released"),
+    ("lease", "mysql", "force-released"),
 ]
 OPERATIONS = ["owned", "held", "extend", "release", "leave", "acquire"]
+#: (strategy, alias, state, operation): every cell of the table
+CELLS = [
+    pytest.param(*case, operation, id="-".join((*case, operation)))
+    for case in CASES
+    for operation in OPERATIONS
+    if not (case[2] == "force-released" and operation == "held")
+]
 
 TTL = 0.4
+#: a force-release happens well within the lease: nothing runs out meanwhile
+FORCE_RELEASED_TTL = 60.0
 
 
 class Losses:
@@ -97,7 +116,13 @@ class Taker:
 
 def _lose(lk, key, alias, strategy, state, taker):
     """Bring the lock held by ``lk`` into ``state``."""
-    if strategy == "lease":
+    if state == "force-released":
+        # as an operator does it (the admin action, manage.py dlock_release),
+        # then another holder takes the key
+        released = force_release(alias, names=[f"lock:{key}"], source="test")
+        assert len(released) == 1
+        taker.take(key, alias, strategy)
+    elif strategy == "lease":
         # The lease really runs out, on the database clock.
         wait_until(lambda: not lk.locked())
         if state == "taken":
@@ -110,17 +135,16 @@ def _lose(lk, key, alias, strategy, state, taker):
             taker.take(key, alias, strategy)
 
 
-@pytest.mark.parametrize("operation", OPERATIONS)
-@pytest.mark.parametrize(
-    ("strategy", "alias", "state"), CASES, ids=["-".join(case) for case in CASES]
-)
+@pytest.mark.parametrize(("strategy", "alias", "state", "operation"), CELLS)
 def test_loss_table(strategy, alias, state, operation):
     key = f"loss-{strategy}-{state.replace(' ', '-')}-{operation}"
     losses = Losses(f"lock:{key}")
     signals.lock_lost.connect(losses.receiver)
     taker = Taker()
+    taken = state in ("taken", "force-released")
+    ttl = FORCE_RELEASED_TTL if state == "force-released" else TTL
     try:
-        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=TTL, on_lost=losses.on_lost)
+        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=ttl, on_lost=losses.on_lost)
         if operation == "leave":
             with pytest.raises(dlock.LockLost), lk:
                 _lose(lk, key, alias, strategy, state, taker)
@@ -137,7 +161,7 @@ def test_loss_table(strategy, alias, state, operation):
             elif operation == "extend":
                 with pytest.raises(dlock.LockLost):
                     lk.extend()
-                assert lk.locked() is (state == "taken")  # an expired lease is not revived
+                assert lk.locked() is taken  # an expired lease is not revived
             if operation in ("owned", "held", "extend"):
                 with pytest.raises(dlock.LockLost):
                     lk.release()
@@ -149,7 +173,7 @@ def test_loss_table(strategy, alias, state, operation):
                 # Re-entry is refused by the database: the caller contends afresh
                 # (with a long lease this time, so that it surely runs meanwhile).
                 again = dlock.lock(key, using=alias, strategy=strategy, ttl=60).acquire(0)
-                assert again is (state != "taken")
+                assert again is not taken
                 if again:
                     assert lk.held() and lk.owned()
                     if strategy == "lease":
@@ -165,7 +189,7 @@ def test_loss_table(strategy, alias, state, operation):
         with pytest.raises(dlock.LockNotOwned):
             lk.release()
         # After the loss is reported, the key can be acquired like any other.
-        if state != "taken":
+        if not taken:
             assert lk.acquire(timeout=0)
             lk.release()
     finally:
