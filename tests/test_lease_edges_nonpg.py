@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connections
+from django.db import IntegrityError, connections, transaction
 
 import django_dlock as dlock
 
@@ -48,3 +48,21 @@ def test_a_waiter_blocks_only_its_own_exact_name(alias, waited, free):
         let_go.set()
         thread.join(30)
         holder.release()
+
+
+def test_a_lock_left_inside_a_transaction_that_rolls_back_is_free(alias):
+    """The block ended: the lock is free, whatever the caller's transaction does."""
+    with connections[alias].cursor() as cur:
+        cur.execute("DELETE FROM django_dlock_fencefloor WHERE id = 2")
+    with (
+        pytest.raises(IntegrityError),
+        transaction.atomic(using=alias),
+        dlock.lock("tx-rollback", using=alias, ttl=30),
+        connections[alias].cursor() as cur,
+    ):
+        # the caller writes, and its transaction then fails
+        cur.execute("INSERT INTO django_dlock_fencefloor (id, value) VALUES (2, 0)")
+        cur.execute("INSERT INTO django_dlock_fencefloor (id, value) VALUES (2, 0)")
+    # another thread gets the key at once (it would wait the whole lease)
+    other = dlock.lock("tx-rollback", using=alias)
+    assert in_thread(lambda: other.acquire(timeout=5) and (other.release() or True))

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import time
 
 from asgiref.sync import sync_to_async
+from django.db import OperationalError, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock, notify
@@ -38,6 +41,61 @@ from django_dlock.strategies.lease.waiting import TicketWait
 #: why a key could not be taken (the words of the log messages)
 HELD = "is held by someone else"
 QUEUED_AHEAD = "is free, but other waiters are queued ahead"
+
+
+logger = logging.getLogger("django_dlock")
+
+#: seconds between two tries of a release deferred past the caller's SQLite transaction
+_AFTER_TRANSACTION_POLL = 0.05
+
+
+def _release_after_transaction(caller: BaseDatabaseWrapper, req: Request) -> bool:
+    """SQLite: release ``req`` once the caller's writing transaction has ended.
+
+    The caller's transaction holds SQLite's one write lock, so no other
+    connection can write until it ends; a release run on the caller's
+    connection would be part of that transaction, and undone if it rolls
+    back, leaving the lock held until its lease runs out. So the lease is
+    checked on the caller's connection (``False`` if it is no longer ours),
+    and a thread of its own releases it as soon as the caller's transaction
+    has ended, commit or rollback (nobody else could take the key before
+    that). That statement matches the fencing number read here: a new grant
+    of the same key to the same caller in the meantime is left alone.
+    """
+    now = dbclock.now_sql(caller)
+    found = fetch_one(
+        caller,
+        f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}",
+        [req.key.name, req.token],
+    )
+    if found is None:
+        return False
+    params = [req.key.name, req.token, int(found[0])]
+    until = time.monotonic() + req.ttl
+
+    def release() -> None:
+        connection = connections[req.alias]  # this thread's own, in autocommit
+        sql = (
+            f"UPDATE {TABLE} SET token = '', expire_at = {dbclock.now_sql(connection)} "
+            "WHERE name = %s AND token = %s AND fence = %s"
+        )
+        while True:
+            try:
+                execute(connection, sql, params)
+                return
+            except OperationalError as exc:  # still locked by the caller's transaction
+                if time.monotonic() > until:
+                    logger.warning(
+                        "django-dlock: could not release %s after its transaction: %s; "
+                        "the lease runs out on its own",
+                        req.key.name,
+                        exc,
+                    )
+                    return
+                time.sleep(_AFTER_TRANSACTION_POLL)
+
+    start_db_thread(release, "django-dlock-release-after-transaction", alias=req.alias)
+    return True
 
 
 class LeaseStrategy:
@@ -168,6 +226,11 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
+        caller = connections[req.alias]
+        if caller.vendor == "sqlite" and caller.in_atomic_block:
+            connection = lock_connection(req.alias)
+            if connection is caller:  # the caller's transaction has written
+                return _release_after_transaction(connection, req)
         released, retried = with_reconnect(
             req.alias, lambda connection: self.release_on(connection, req)
         )
