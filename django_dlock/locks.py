@@ -440,6 +440,8 @@ class Lock:
         level = logging.INFO if self.on_fail == "skip" else logging.WARNING
         if not isinstance(strategy, LeaseStrategy) or not logger.isEnabledFor(level):
             return HELD
+        if connections[busy.alias].connection is None:
+            return HELD  # closed (given up at the deadline): no reconnecting for a log line
         try:
             # a log line's wording: never more than a second behind a pooler
             with statement_deadline(Deadline(1.0), busy.alias):

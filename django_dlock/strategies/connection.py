@@ -33,6 +33,7 @@ from django_dlock.strategies.deadline import (
     deadline_end,
     guard_statements,
     unwatched,
+    watched_direct,
 )
 from django_dlock.tables import FENCE_FLOOR_TABLE
 
@@ -345,7 +346,11 @@ def execute(
         and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
         and not _behind_pooler(connection)
     ):
-        return _execute_prepared(connection, sql, params)
+        if deadline_end() is None:
+            return _execute_prepared(connection, sql, params)
+        # an acquire with a timeout: a server that stopped answering must not
+        # keep the caller past it
+        return watched_direct(connection, lambda: _execute_prepared(connection, sql, params))
     if connection.vendor == "sqlite" and deadline_end() is not None:
         return _sqlite_within_deadline(connection, sql, params)
     with cursor(connection) as cur:

@@ -11,6 +11,13 @@ stops it if it already runs on a server), then its socket is shut down
 closed (the next statement reconnects) and the acquire reports a timeout.
 ``timeout=None`` is never watched.
 
+A direct connection needs no watch while its server answers (the server
+ends a lock wait itself), but a server that stops answering altogether (a
+frozen VM, a stalled disk) would keep a statement, and the caller, waiting
+past any timeout. So the lock statements of an acquire with a timeout are
+watched on direct connections too, with :data:`DIRECT_GRACE` more time: a
+statement still unanswered then is given up the same way.
+
 Whether a connection goes through a pooler at all is found out here too
 (:func:`behind_pooler`): that question is itself a watched statement, and
 a direct connection takes the watch off.
@@ -39,6 +46,7 @@ from django_dlock.exceptions import LockTimeout
 from django_dlock.retry import Deadline
 
 __all__ = [
+    "DIRECT_GRACE",
     "STATEMENT_FLOOR",
     "Abandoned",
     "behind_pooler",
@@ -46,6 +54,7 @@ __all__ = [
     "guard_statements",
     "statement_deadline",
     "unwatched",
+    "watched_direct",
 ]
 
 T = TypeVar("T")
@@ -64,6 +73,9 @@ class Abandoned(LockTimeout):
 #: the least time a watched statement gets, also when the deadline is (nearly) past:
 #: a try-once (``timeout=0``) still has time for one round trip through the pooler
 STATEMENT_FLOOR = 0.5
+#: on a direct connection, how long past the deadline (and the floor) a lock
+#: statement may still take before its server is taken for frozen
+DIRECT_GRACE = 0.5
 
 _deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
 
@@ -133,6 +145,8 @@ class _Watch:
     raw: Any
     at: float
     mutex: threading.Lock = field(default_factory=threading.Lock)
+    #: send a cancel request first (through a pooler, whose server answers)
+    cancel: bool = True
     done: bool = False
     fired: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
@@ -184,8 +198,11 @@ def _fire(watch: _Watch) -> None:
     try:
         # Stops the statement if it runs on a server (PgBouncer forwards the
         # cancel); a client still in PgBouncer's queue is not cancelled...
-        with contextlib.suppress(Exception):
-            watch.raw.cancel()
+        # (Not on a direct connection: its server stopped answering, and a
+        # cancel request would wait for it, holding the GIL.)
+        if watch.cancel:
+            with contextlib.suppress(Exception):
+                watch.raw.cancel()
         # ...so end its wait: the blocked read returns, the statement fails.
         # (The statement's thread waits for ``finished`` before it closes the
         # connection, so the descriptor is still this connection's.)
@@ -215,13 +232,20 @@ def _watch_statement(
 connection_created.connect(guard_statements, dispatch_uid="django_dlock_guard_statements")
 
 
-def _watched(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
-    """``run()`` (one statement on ``connection``), given up at the current deadline."""
+def _watched(
+    connection: BaseDatabaseWrapper,
+    run: Callable[[], T],
+    grace: float = 0.0,
+    cancel: bool = True,
+) -> T:
+    """``run()`` (one statement on ``connection``), given up at the current deadline
+    (at least :data:`STATEMENT_FLOOR` from now), plus ``grace``; ``cancel``: send a
+    cancel request before the socket is shut down."""
     end = _deadline.get()
     raw = connection.connection
     if end is None or raw is None:
         return run()
-    watch = _Watch(raw, max(end, time.monotonic() + STATEMENT_FLOOR))
+    watch = _Watch(raw, max(end, time.monotonic() + STATEMENT_FLOOR) + grace, cancel=cancel)
     _watchdog.add(watch)
     error: BaseException | None = None
     try:
@@ -237,12 +261,19 @@ def _watched(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
         watch.finished.wait()
         connection.close()
         raise Abandoned(
-            "a lock statement waited past the lock's deadline for a server connection "
-            "of the connection pooler (its pool is busy); its connection was closed"
+            "a lock statement got no answer by the lock's deadline (a connection "
+            "pooler with no free server connection, or a server that stopped "
+            "answering); its connection was closed"
         ) from error
     if error is not None:
         raise error
     return result
+
+
+def watched_direct(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
+    """``run()``, one lock statement on a direct connection, given up if its server
+    has not answered :data:`DIRECT_GRACE` after the current deadline."""
+    return _watched(connection, run, DIRECT_GRACE, cancel=False)
 
 
 def deadline_end() -> float | None:
