@@ -50,13 +50,16 @@ CREATE TRIGGER dlock_test_slow_raise BEFORE UPDATE ON django_dlock_lock
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True, databases=DATABASES)
 def test_the_round_that_raises_the_fence_ends_at_the_callers_timeout():
-    # q1's fencing number is far ahead: a grant on all three databases must
-    # raise q2's and q3's rows to it, and there that update is slow (6 s).
-    with connections["q1"].cursor() as cur:
-        cur.execute(
-            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
-            "VALUES ('lock:q-slow', '', '', 1000, now(), now())"
-        )
+    # The databases' fencing numbers all differ (q1 1000, q2 500, q3 its
+    # sequence): whichever two answer first, one must be raised to the
+    # other's number, on q2 or q3, and there that update is slow (6 s).
+    for alias, fence in (("q1", 1000), ("q2", 500)):
+        with connections[alias].cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+                "expire_at) VALUES ('lock:q-slow', '', '', %s, now(), now())",
+                [fence],
+            )
     for alias in ("q2", "q3"):
         with connections[alias].cursor() as cur:
             cur.execute(_SLOW_RAISE)

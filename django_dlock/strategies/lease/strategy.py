@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
 from django.db import OperationalError, connections
@@ -49,18 +50,23 @@ logger = logging.getLogger("django_dlock")
 _AFTER_TRANSACTION_POLL = 0.05
 
 
-def _release_after_transaction(caller: BaseDatabaseWrapper, req: Request) -> bool:
-    """SQLite: release ``req`` once the caller's writing transaction has ended.
+def _release_after_transaction(
+    caller: BaseDatabaseWrapper,
+    req: Request,
+    release_on: Callable[[BaseDatabaseWrapper, Request], bool],
+) -> bool:
+    """SQLite: release ``req`` in the caller's writing transaction, and again
+    once that transaction has ended.
 
     The caller's transaction holds SQLite's one write lock, so no other
-    connection can write until it ends; a release run on the caller's
-    connection would be part of that transaction, and undone if it rolls
-    back, leaving the lock held until its lease runs out. So the lease is
-    checked on the caller's connection (``False`` if it is no longer ours),
-    and a thread of its own releases it as soon as the caller's transaction
-    has ended, commit or rollback (nobody else could take the key before
-    that). That statement matches the fencing number read here: a new grant
-    of the same key to the same caller in the meantime is left alone.
+    connection can write until it ends, and the release runs on the
+    caller's connection, as part of that transaction: free the moment it
+    commits. A rollback would undo it and leave the lock held until its
+    lease runs out, so a thread of its own releases the lease again as soon
+    as the caller's transaction has ended (nobody else could take the key
+    before that); after a commit that finds nothing left to do. That
+    statement matches the fencing number read first: a new grant of the
+    same key in the meantime is left alone.
     """
     now = dbclock.now_sql(caller)
     found = fetch_one(
@@ -94,8 +100,9 @@ def _release_after_transaction(caller: BaseDatabaseWrapper, req: Request) -> boo
                     return
                 time.sleep(_AFTER_TRANSACTION_POLL)
 
+    released = release_on(caller, req)
     start_db_thread(release, "django-dlock-release-after-transaction", alias=req.alias)
-    return True
+    return released
 
 
 class LeaseStrategy:
@@ -230,7 +237,7 @@ class LeaseStrategy:
         if caller.vendor == "sqlite" and caller.in_atomic_block:
             connection = lock_connection(req.alias)
             if connection is caller:  # the caller's transaction has written
-                return _release_after_transaction(connection, req)
+                return _release_after_transaction(connection, req, self.release_on)
         released, retried = with_reconnect(
             req.alias, lambda connection: self.release_on(connection, req)
         )
