@@ -50,10 +50,10 @@ CREATE TRIGGER dlock_test_slow_raise BEFORE UPDATE ON django_dlock_lock
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True, databases=DATABASES)
 def test_the_round_that_raises_the_fence_ends_at_the_callers_timeout():
-    # The databases' fencing numbers all differ (q1 1000, q2 500, q3 its
+    # The databases' fencing numbers all differ (q1 10**12, q2 10**11, q3 its
     # sequence): whichever two answer first, one must be raised to the
     # other's number, on q2 or q3, and there that update is slow (6 s).
-    for alias, fence in (("q1", 1000), ("q2", 500)):
+    for alias, fence in (("q1", 10**12), ("q2", 10**11)):
         with connections[alias].cursor() as cur:
             cur.execute(
                 "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
