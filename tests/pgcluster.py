@@ -25,9 +25,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 
 def available() -> str | None:
@@ -384,3 +386,24 @@ def _drop(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(OSError):
         sock.close()
+
+
+def attached_cluster(alias: str) -> Callable[..., Any]:
+    """A module-scoped fixture: a private cluster (fsync off) with a migrated
+    database as the Django alias ``alias``, destroyed after the module.
+
+    Module scope: the alias must exist before the test case starts (Django 6
+    refuses connections to an alias that appears during a test). Use as
+    ``cluster = attached_cluster("name")`` at a test module's top level.
+    """
+
+    @pytest.fixture(scope="module")
+    def cluster(django_db_blocker: Any) -> Iterator[PrivateCluster]:
+        made = PrivateCluster(fsync="off").create()
+        try:
+            with django_db_blocker.unblock(), made.attached(alias):
+                yield made
+        finally:
+            made.destroy()
+
+    return cluster

@@ -14,7 +14,7 @@ from django.db import connections
 
 import django_dlock as dlock
 
-from .pgcluster import PrivateCluster
+from .pgcluster import attached_cluster
 
 ALIAS = "freezable"
 
@@ -24,16 +24,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(django_db_blocker):
-    # Module scope: the alias must exist before the test case starts (Django 6
-    # refuses connections to an alias that appears during a test).
-    cluster = PrivateCluster(fsync="off").create()
-    try:
-        with django_db_blocker.unblock(), cluster.attached(ALIAS):
-            yield cluster
-    finally:
-        cluster.destroy()
+cluster = attached_cluster(ALIAS)
 
 
 def test_a_lease_holder_cut_off_is_told_it_lost_when_the_lease_ran_out(cluster):

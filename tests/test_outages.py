@@ -18,7 +18,7 @@ import django_dlock as dlock
 from django_dlock.strategies.connection import close_private_connections
 from django_dlock.strategies.deadline import _behind_pooler
 
-from .pgcluster import PrivateCluster, _accepts
+from .pgcluster import _accepts, attached_cluster
 
 ALIAS = "outage"
 
@@ -28,16 +28,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(django_db_blocker):
-    # Module scope: the alias must exist before the test case starts (Django 6
-    # refuses connections to an alias that appears during a test).
-    cluster = PrivateCluster(fsync="off").create()
-    try:
-        with django_db_blocker.unblock(), cluster.attached(ALIAS):
-            yield cluster
-    finally:
-        cluster.destroy()
+cluster = attached_cluster(ALIAS)
 
 
 @pytest.fixture

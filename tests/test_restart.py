@@ -17,21 +17,12 @@ import django_dlock as dlock
 from django_dlock import notify
 
 from .helpers import wait_until
-from .pgcluster import PrivateCluster
+from .pgcluster import attached_cluster
 
 ALIAS = "restartable"
 
 
-@pytest.fixture(scope="module")
-def cluster(django_db_blocker):
-    # Module scope: the alias must exist before the test case starts (Django 6
-    # refuses connections to an alias that appears during a test).
-    cluster = PrivateCluster(fsync="off").create()
-    try:
-        with django_db_blocker.unblock(), cluster.attached(ALIAS):
-            yield cluster
-    finally:
-        cluster.destroy()
+cluster = attached_cluster(ALIAS)
 
 
 @pytest.mark.slow
