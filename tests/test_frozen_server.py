@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from django.db import connections
@@ -47,22 +49,81 @@ def test_a_lease_holder_cut_off_is_told_it_lost_when_the_lease_ran_out(cluster):
         lk.release()
 
 
-def test_an_acquire_with_a_timeout_ends_near_it_when_the_server_stops_answering(cluster):
-    outcome: dict[str, object] = {}
+@pytest.mark.parametrize("strategy", ["lease", "advisory"])
+@pytest.mark.parametrize("timeout", [0, 2])
+def test_an_acquire_with_a_timeout_ends_near_it_when_the_server_stops_answering(
+    cluster, strategy, timeout
+):
+    # The caller's connection (lease) or advisory session (pooled, idle) is
+    # open before the server freezes.
+    outcome = _acquire_on_frozen(
+        cluster,
+        lambda: dlock.lock(f"frozen-{strategy}-{timeout}", using=ALIAS, ttl=30, strategy=strategy),
+        timeout,
+    )
+    assert outcome.get("acquired") is False, outcome  # not acquired: a timeout
+    assert outcome["seconds"] < timeout + 3, (
+        f"acquire(timeout={timeout}) took {outcome['seconds']:.1f} s"
+    )
+
+
+def test_an_async_advisory_acquire_ends_near_its_timeout_when_the_server_stops_answering(
+    cluster,
+):
+    # The async path waits in worker threads: the deadline reaches them.
+    import asyncio
+
+    lk = dlock.lock("frozen-async", using=ALIAS, strategy="advisory")
+
+    async def attempt() -> bool:
+        return await lk.aacquire(timeout=2)
+
+    outcome = _acquire_on_frozen(cluster, lambda: lk, 2, run=lambda lk: asyncio.run(attempt()))
+    assert outcome.get("acquired") is False, outcome
+    assert outcome["seconds"] < 5, f"aacquire(timeout=2) took {outcome['seconds']:.1f} s"
+
+
+def test_a_new_advisory_session_to_a_frozen_server_ends_near_the_timeout(cluster):
+    # No idle session to reuse: the new connection itself gets no answer.
+    from django_dlock.strategies.advisory.pool import close_all
+
+    close_all()
+    cluster.freeze()
+    try:
+        started = time.monotonic()
+        acquired = dlock.lock("frozen-new", using=ALIAS, strategy="advisory").acquire(timeout=2)
+        seconds = time.monotonic() - started
+    finally:
+        cluster.thaw()
+    assert acquired is False
+    assert seconds < 6, f"acquire(timeout=2) took {seconds:.1f} s"
+    assert dlock.lock("frozen-new", using=ALIAS, strategy="advisory").acquire(timeout=10)
+    close_all()
+
+
+def _acquire_on_frozen(
+    cluster: Any,
+    make: Callable[[], dlock.Lock],
+    timeout: float,
+    run: Callable[[dlock.Lock], bool] | None = None,
+) -> dict[str, Any]:
+    """Acquire ``make()`` in a thread whose connection was open before the server
+    froze; what it returned (or raised) and how long it took."""
+    outcome: dict[str, Any] = {}
     ready, frozen = threading.Event(), threading.Event()
 
     def caller() -> None:
         try:
-            lk = dlock.lock("frozen-timeout", using=ALIAS, ttl=30)
-            with lk:  # the thread's connection is open before the server freezes
+            lk = make()
+            with lk:
                 pass
             ready.set()
             assert frozen.wait(30)
             started = time.monotonic()
             try:
-                outcome["acquired"] = lk.acquire(timeout=2)
+                outcome["acquired"] = run(lk) if run else lk.acquire(timeout=timeout)
             except dlock.DLockError as exc:
-                outcome["error"] = type(exc).__name__
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
             outcome["seconds"] = time.monotonic() - started
         finally:
             connections[ALIAS].close()
@@ -77,5 +138,4 @@ def test_an_acquire_with_a_timeout_ends_near_it_when_the_server_stops_answering(
     finally:
         cluster.thaw()
         thread.join(30)
-    assert outcome.get("acquired") is False, outcome  # not acquired: a timeout
-    assert outcome["seconds"] < 5, f"acquire(timeout=2) took {outcome['seconds']:.1f} s"
+    return outcome

@@ -834,6 +834,28 @@ def _lock_once_on(alias: str, key: str, strategy: str) -> bool:
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", TINY])
+def test_a_statement_sent_just_before_the_deadline_is_given_up_at_it(tiny_bouncer):
+    # A lock wait polls; a statement it sends shortly before its deadline
+    # meets a PgBouncer with no free server connection. It is given up at
+    # the acquire's deadline, not half a second past it (the least time a
+    # try-once gets is counted from the start of the acquire, not per statement).
+    import time
+
+    from django_dlock.retry import Deadline
+    from django_dlock.strategies.deadline import Abandoned, statement_deadline
+
+    query_on(TINY, "SELECT 1")  # connected, and known to go through a pooler
+    deadline = Deadline(1.0)
+    with statement_deadline(deadline, TINY), pool_held_busy(tiny_bouncer):
+        time.sleep(max(0.0, deadline.end - 0.15 - time.monotonic()))
+        with pytest.raises(Abandoned):
+            query_on(TINY, "SELECT 1")
+        late = time.monotonic() - deadline.end
+    assert late < 0.25, f"given up {late:.2f} s after the deadline"
+    assert query_on(TINY, "SELECT 1") == [(1,)]  # the next statement reconnects
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", TINY])
 def test_a_lease_statement_given_up_on_the_server_never_commits_later(tiny_bouncer):
     # The lease INSERT reaches a server but waits there (another transaction
     # holds the expired lease's row) past the deadline. It is given up, and

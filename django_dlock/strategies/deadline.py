@@ -54,7 +54,9 @@ __all__ = [
     "guard_statements",
     "statement_deadline",
     "unwatched",
+    "watch_end",
     "watched_direct",
+    "watched_raw",
 ]
 
 T = TypeVar("T")
@@ -70,8 +72,8 @@ class Abandoned(LockTimeout):
     """
 
 
-#: the least time a watched statement gets, also when the deadline is (nearly) past:
-#: a try-once (``timeout=0``) still has time for one round trip through the pooler
+#: the least time the statements of an acquire get, counted from its start: a
+#: try-once (``timeout=0``) still has time for one round trip through the pooler
 STATEMENT_FLOOR = 0.5
 #: on a direct connection, how long past the deadline (and the floor) a lock
 #: statement may still take before its server is taken for frozen
@@ -90,7 +92,7 @@ class statement_deadline:  # noqa: N801 (used like a function: ``with statement_
     __slots__ = ("end", "alias", "token")
 
     def __init__(self, deadline: Deadline, alias: str) -> None:
-        self.end = None if deadline.timeout is None else deadline.end
+        self.end = None if deadline.timeout is None else watch_end(deadline, time.monotonic())
         self.alias = alias
         self.token: Any = None
 
@@ -102,6 +104,17 @@ class statement_deadline:  # noqa: N801 (used like a function: ``with statement_
     def __exit__(self, *exc: object) -> None:
         if self.token is not None:
             _deadline.reset(self.token)
+
+
+def watch_end(deadline: Deadline, now: float) -> float:
+    """When the statements of an acquire with ``deadline`` that starts at ``now`` are
+    given up: at the deadline, and never sooner than :data:`STATEMENT_FLOOR` after
+    the start, so that a try-once still has time for one round trip through a pooler.
+
+    Every statement of the acquire shares that one end: one sent just before it is
+    given up at it (not a floor later).
+    """
+    return max(deadline.end, now + STATEMENT_FLOOR)
 
 
 @contextmanager
@@ -239,13 +252,23 @@ def _watched(
     cancel: bool = True,
 ) -> T:
     """``run()`` (one statement on ``connection``), given up at the current deadline
-    (at least :data:`STATEMENT_FLOOR` from now), plus ``grace``; ``cancel``: send a
-    cancel request before the socket is shut down."""
+    plus ``grace`` (see :func:`watched_raw`); a connection given up is closed."""
+    try:
+        return watched_raw(connection.connection, run, grace, cancel)
+    except Abandoned:
+        connection.close()
+        raise
+
+
+def watched_raw(raw: Any, run: Callable[[], T], grace: float = 0.0, cancel: bool = True) -> T:
+    """``run()``, one statement on the driver connection ``raw``, given up at the
+    current deadline plus ``grace``: its socket is shut
+    down (after a cancel request, with ``cancel``), the statement fails and
+    :class:`Abandoned` is raised. The caller closes the connection then."""
     end = _deadline.get()
-    raw = connection.connection
     if end is None or raw is None:
         return run()
-    watch = _Watch(raw, max(end, time.monotonic() + STATEMENT_FLOOR) + grace, cancel=cancel)
+    watch = _Watch(raw, end + grace, cancel=cancel)
     _watchdog.add(watch)
     error: BaseException | None = None
     try:
@@ -259,7 +282,6 @@ def _watched(
             watch.raw = None  # (the watch may stay queued until its time: hold nothing)
     if fired:
         watch.finished.wait()
-        connection.close()
         raise Abandoned(
             "a lock statement got no answer by the lock's deadline (a connection "
             "pooler with no free server connection, or a server that stopped "

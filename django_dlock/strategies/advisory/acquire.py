@@ -19,6 +19,7 @@ given back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
 
@@ -51,7 +52,7 @@ def on_session(
     for attempt in (1, 2):
         try:
             session = session_for(req.alias, req.token, holder, kind)
-        except DLockError:
+        except DLockError:  # (Abandoned too: no answer by the deadline)
             raise
         except Exception as exc:
             raise DatabaseUnavailable(
@@ -260,13 +261,29 @@ class SessionAsyncAcquire:
         holder = current_holder()
         waiter = AsyncWait()
         loop = asyncio.get_running_loop()
+        # (in the context of this task, as asyncio.to_thread does: the statement
+        # deadline of the acquire reaches the worker threads)
         first = loop.run_in_executor(
-            advisory_executor(), self._acquire, req, Deadline(0), lambda: holder, waiter
+            advisory_executor(),
+            contextvars.copy_context().run,
+            self._acquire,
+            req,
+            Deadline(0),
+            lambda: holder,
+            waiter,
         )
         grant = await self._await(req, first, waiter)
         if grant is not None or deadline.expired():
             return grant
-        waiting = in_thread(loop, self._acquire, req, deadline, lambda: holder, waiter)
+        waiting = in_thread(
+            loop,
+            contextvars.copy_context().run,
+            self._acquire,
+            req,
+            deadline,
+            lambda: holder,
+            waiter,
+        )
         return await self._await(req, waiting, waiter)
 
     async def _await(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ import psycopg
 from django.db import connections
 
 from django_dlock.strategies.advisory.session import Session, SessionSwitched
+from django_dlock.strategies.deadline import DIRECT_GRACE, Abandoned, deadline_end
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -56,12 +58,28 @@ def _settings_identity(alias: str) -> tuple[Any, ...]:
 
 
 def _connect(alias: str) -> psycopg.Connection[Any]:
+    """A new session on ``alias``.
+
+    In an acquire with a timeout, a server that does not answer the
+    connection by the deadline (plus ``DIRECT_GRACE``; libpq counts whole
+    seconds, at least 2) is given up: :class:`Abandoned`.
+    """
     params = connections[alias].get_connection_params()
     for name in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
         params.pop(name, None)
     params.setdefault("application_name", "django-dlock")
+    end = deadline_end()
+    if end is not None and "connect_timeout" not in params:
+        params["connect_timeout"] = max(2, math.ceil(end + DIRECT_GRACE - time.monotonic()))
     # The hot statements are prepared on first use (``prepare=True``).
-    return psycopg.Connection.connect(autocommit=True, **params)
+    try:
+        return psycopg.Connection.connect(autocommit=True, **params)
+    except psycopg.OperationalError as exc:
+        if end is not None and time.monotonic() >= end:
+            raise Abandoned(
+                f"the database {alias!r} did not answer a new connection by the lock's deadline"
+            ) from exc
+        raise
 
 
 class Pool:

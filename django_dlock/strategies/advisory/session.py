@@ -61,19 +61,22 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import psycopg
 
 from django_dlock.exceptions import DatabaseUnavailable, DLockError, SessionBusy
+from django_dlock.strategies.deadline import DIRECT_GRACE, Abandoned, deadline_end, watched_raw
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
     from django_dlock.strategies.advisory.pool import Pool
 
 logger = logging.getLogger("django_dlock")
+
+T = TypeVar("T")
 
 _CONNECTION_OK = 0  # psycopg.pq.ConnStatus.OK
 _COMMAND_OK, _TUPLES_OK = 1, 2  # psycopg.pq.ExecStatus
@@ -162,6 +165,12 @@ class Session:
     ) -> tuple[bytes | None, ...]:
         """Run one short prepared statement; return its first row (text values).
 
+        In an acquire with a timeout, a server that has not answered
+        :data:`~django_dlock.strategies.deadline.DIRECT_GRACE` after the
+        deadline is taken for frozen: the session is ended (which frees
+        whatever it held, reported lost) and
+        :class:`~django_dlock.strategies.deadline.Abandoned` is raised.
+
         The statement goes straight to libpq (``PQexecPrepared``, which
         releases the GIL): a few microseconds instead of a cursor's tens.
         It is prepared on this session the first time. With ``check_pid`` its
@@ -174,6 +183,24 @@ class Session:
             SessionBusy: a two-phase place waits on the session.
             psycopg.Error: the statement failed (the session lives on).
         """
+        if deadline_end() is None:
+            return self._run(stmt, params, check_pid)
+        return self._watched(lambda: self._run(stmt, params, check_pid))
+
+    def _watched(self, run: Callable[[], T]) -> T:
+        """``run()``, given up (the session ended) if the server stopped answering."""
+        try:
+            return watched_raw(self.conn, run, DIRECT_GRACE, cancel=False)
+        except Abandoned:
+            self.fail(
+                "the database server stopped answering: a lock statement was given up "
+                "at the lock's deadline"
+            )
+            raise
+
+    def _run(
+        self, stmt: Statement, params: Sequence[bytes], check_pid: bool
+    ) -> tuple[bytes | None, ...]:
         self._refuse_while_placed()
         with self.mutex:
             if self.lost is not None:
@@ -240,8 +267,14 @@ class Session:
 
         Raises:
             WaitCancelled: ``waiter`` was cancelled before the wait began.
-            SessionLost, SessionSwitched, SessionBusy, psycopg.Error: as :meth:`run`.
+            SessionLost, SessionSwitched, SessionBusy, psycopg.Error, Abandoned: as
+                :meth:`run`.
         """
+        if deadline_end() is None:
+            return self._wait(sql, params, waiter)
+        return self._watched(lambda: self._wait(sql, params, waiter))
+
+    def _wait(self, sql: str, params: list[Any], waiter: Cancellable | None) -> tuple[Any, ...]:
         self._refuse_while_placed()
         with self._wait_mutex:
             if waiter is not None and waiter.cancelled:
