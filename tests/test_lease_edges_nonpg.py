@@ -66,3 +66,41 @@ def test_a_lock_left_inside_a_transaction_that_rolls_back_is_free(alias):
     # another thread gets the key at once (it would wait the whole lease)
     other = dlock.lock("tx-rollback", using=alias)
     assert in_thread(lambda: other.acquire(timeout=5) and (other.release() or True))
+
+
+def test_a_ticket_renewal_on_a_locked_sqlite_database_never_puts_the_ticket_back():
+    """Another writer keeps the SQLite file locked past a waiter's deadline,
+    then lets go just as the waiter renews its ticket. The renewal gives the
+    acquire up (a timeout); it never reads the locked database as "the
+    ticket is gone" and inserts it again under its own number."""
+    import sqlite3
+    import time
+
+    from django_dlock.keys import make_key
+    from django_dlock.retry import Deadline
+    from django_dlock.strategies import queue
+    from django_dlock.strategies.base import Request
+    from django_dlock.strategies.deadline import statement_deadline
+
+    req = Request(make_key("renewed"), "sqlite", "token-1", "owner", 30.0, False)
+    ticket = queue.enqueue(req)
+    blocker = sqlite3.connect(
+        connections["sqlite"].settings_dict["NAME"], timeout=5, check_same_thread=False
+    )
+    blocker.isolation_level = None
+    blocker.execute("BEGIN IMMEDIATE")  # the write lock
+    # let go after the deadline (0.6 s), while a renewal that took the
+    # locked database for "no ticket" would be trying to insert it again
+    letting_go = threading.Timer(0.9, blocker.rollback)
+    letting_go.start()
+    try:
+        with pytest.raises(dlock.LockTimeout), statement_deadline(Deadline(0.6), "sqlite"):
+            queue.beat(req, ticket)
+            time.sleep(1)  # (not reached)
+    finally:
+        letting_go.join()
+        blocker.close()
+        queue.done(ticket)
+    with connections["sqlite"].cursor() as cur:
+        cur.execute("SELECT id, name FROM django_dlock_waiter")
+        assert cur.fetchall() == [(ticket, "lock:renewed")]

@@ -29,6 +29,7 @@ from django.db.backends.utils import CursorWrapper
 from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.strategies.deadline import (
     STATEMENT_FLOOR,
+    Abandoned,
     behind_pooler,
     deadline_end,
     guard_statements,
@@ -352,7 +353,7 @@ def execute(
         # keep the caller past it
         return watched_direct(connection, lambda: _execute_prepared(connection, sql, params))
     if connection.vendor == "sqlite" and deadline_end() is not None:
-        return _sqlite_within_deadline(connection, sql, params)
+        return _sqlite_within_deadline(connection, sql, params, takes_lock)
     with cursor(connection) as cur:
         if not (
             takes_lock
@@ -374,16 +375,21 @@ def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:
 
 
 def _sqlite_within_deadline(
-    connection: BaseDatabaseWrapper, sql: str, params: list[Any]
+    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool
 ) -> tuple[Any, int]:
     """A statement of an acquire on SQLite: another writer is contention, not an outage.
 
     SQLite lets one connection write at a time; another one waits up to its
     busy timeout (the ``timeout`` option, 5 s by default) and then fails with
     "database is locked". While a lock is being acquired, the statement
-    waits at most until the lock's deadline, and a database that stays
-    locked means "not acquired this round" (no row): the waiter looks again
-    within its timeout, and times out as usual.
+    waits at most until the lock's deadline. For the statement that takes
+    the lock (``takes_lock``), a database that stays locked means "not
+    acquired this round" (no row): the waiter looks again within its
+    timeout, and times out as usual. Any other statement of the acquire (a
+    waiter's ticket, its renewal) has no such answer: a database locked past
+    the deadline gives the acquire up (:class:`Abandoned`, a timeout),
+    never a made-up "no row" (a renewal that read it as "the ticket is
+    gone" put the ticket back under its own number, an ``IntegrityError``).
     """
     if connection.in_atomic_block:  # the caller's transaction: its own busy handling
         with cursor(connection) as cur:
@@ -403,9 +409,13 @@ def _sqlite_within_deadline(
             cur.execute(sql, params)
             return (cur.fetchone() if cur.description else None), cur.rowcount
     except OperationalError as exc:
-        if "locked" in str(exc) or "busy" in str(exc):
+        if "locked" not in str(exc) and "busy" not in str(exc):
+            raise
+        if takes_lock:
             return None, 0
-        raise
+        raise Abandoned(
+            "the SQLite database stayed locked by another writer until the lock's deadline"
+        ) from exc
     finally:
         if connection.connection is raw:
             raw.execute(f"PRAGMA busy_timeout = {int(saved)}")
