@@ -31,6 +31,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit("database server(s) unreachable: " + ", ".join(missing), returncode=3)
 
 
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """Each pytest-xdist worker's databases are named in tests/settings.py (the
+    processes a test starts read the same names there): no suffix on top."""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_listeners(django_db_setup):
     # Torn down before the test databases are dropped: the LISTEN

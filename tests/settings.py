@@ -6,7 +6,8 @@
 
 Override with ``DLOCK_TEST_PG_HOST``/``_PORT``/``_USER``,
 ``DLOCK_TEST_MYSQL_HOST``/``_PORT``/``_USER``/``_PASSWORD``. Set
-``DLOCK_TEST_DB_SUFFIX`` to run two suites side by side on one server.
+``DLOCK_TEST_DB_SUFFIX`` to run two suites side by side on one server
+(pytest-xdist workers add their own name to it).
 Child processes started by the tests set ``DLOCK_TEST_CHILD=1`` to use the
 test databases directly.
 """
@@ -29,6 +30,13 @@ except ImportError:
 
 env = os.environ.get
 SUFFIX = env("DLOCK_TEST_DB_SUFFIX", "")
+_WORKER = env("PYTEST_XDIST_WORKER")  # gw0, gw1, ... when pytest-xdist runs the suite
+if _WORKER and not SUFFIX.endswith(f"_{_WORKER}"):
+    # Each worker has its own databases (and so do the processes it starts,
+    # which inherit this variable): tests/conftest.py keeps pytest-django from
+    # adding a suffix of its own.
+    SUFFIX = f"{SUFFIX}_{_WORKER}"
+    os.environ["DLOCK_TEST_DB_SUFFIX"] = SUFFIX
 CHILD = env("DLOCK_TEST_CHILD") == "1"
 
 SECRET_KEY = "tests-only-not-secret"

@@ -733,7 +733,7 @@ def _lease_insert_running() -> bool:
     return bool(
         query(
             "SELECT 1 FROM pg_stat_activity WHERE state <> 'idle' AND pid <> pg_backend_pid() "
-            "AND query LIKE %s",
+            "AND datname = current_database() AND query LIKE %s",
             ["%INSERT INTO django_dlock_lock%"],
         )
     )
