@@ -8,7 +8,8 @@
 * ``dlock.E030``-``E033``: ``DLOCK_WORKER_JOBS``;
 * ``dlock.E040``-``E041``: ``DLOCK_METRICS``;
 * ``dlock.E050``, ``W050``-``W051``: connection poolers (the ``W`` ones
-  connect, under ``Tags.database``).
+  connect, under ``Tags.database``);
+* ``dlock.W070``: django-dlock's tables exist (connects, under ``Tags.database``).
 
 The values themselves are judged by :mod:`django_dlock.validation` (and by
 the middleware's and the worker's rule parsers), the same functions that
@@ -121,6 +122,42 @@ def check_direct_databases(**kwargs: Any) -> list[CheckMessage]:
             id="dlock.E050",
         )
     ]
+
+
+@register(Tags.database)
+def check_tables(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.W070: django-dlock's tables are missing (connects; ``--database``).
+
+    A warning, not an error: ``migrate --database ALIAS`` runs the database
+    checks of its database first, and must not be stopped by the very
+    problem it fixes.
+    """
+    from django.db import DatabaseError, connections, router
+
+    from django_dlock.models import Lock
+    from django_dlock.tables import LOCK_TABLE
+
+    found: list[CheckMessage] = []
+    for alias in kwargs.get("databases") or []:
+        if not router.allow_migrate_model(alias, Lock):
+            continue  # the router keeps django-dlock's tables elsewhere
+        connection = connections[alias]
+        try:
+            with connection.cursor() as cur:
+                tables = connection.introspection.table_names(cur)
+        except DatabaseError:
+            continue  # unreachable: Django's own checks say so
+        if LOCK_TABLE not in tables:
+            option = "" if alias == "default" else f" --database {alias}"
+            found.append(
+                Warning(
+                    f"django-dlock's tables are missing on database {alias!r}: every lock "
+                    "on it fails (NotMigrated).",
+                    hint=f"Run `python manage.py migrate django_dlock{option}`.",
+                    id="dlock.W070",
+                )
+            )
+    return found
 
 
 @register(Tags.database)

@@ -16,6 +16,7 @@ __all__ = [
     "LockNotOwned",
     "LockReentrantError",
     "LockTimeout",
+    "NotMigrated",
     "QuorumUnavailable",
     "SessionBusy",
     "StrategyNotSupported",
@@ -79,6 +80,17 @@ class SessionBusy(DLockError):
 
 class LockReentrantError(DLockError):
     """The caller already holds the lock and ``reentrant=False`` was given."""
+
+
+class NotMigrated(DLockError):
+    """django-dlock's tables are missing on the lock's database.
+
+    Raised by a lock call, a management command or the worker when
+    ``python manage.py migrate`` has not been run for ``django_dlock`` on
+    that database (``--database <alias>`` for one that is not ``default``).
+    ``manage.py check --database <alias>`` reports it too (``dlock.E070``).
+    The driver's error is its ``__cause__``.
+    """
 
 
 class StrategyNotSupported(DLockError):

@@ -39,6 +39,7 @@ from django.db import connections
 from django_dlock import notify, signals
 from django_dlock._threads import close_thread_connections
 from django_dlock.conf import lock_alias
+from django_dlock.exceptions import NotMigrated
 from django_dlock.identity import worker
 from django_dlock.keys import Key
 from django_dlock.leader.backends import ADVISORY_TOKEN, _Backend
@@ -216,7 +217,10 @@ class Campaign:
             self._loop()
         except BaseException as exc:
             self._error = exc
-            logger.exception("django-dlock: the election %s failed", self.key.name)
+            if isinstance(exc, NotMigrated):  # the message says all: no traceback
+                logger.error("django-dlock: the election %s failed: %s", self.key.name, exc)
+            else:
+                logger.exception("django-dlock: the election %s failed", self.key.name)
             if self._leadership is not None:
                 self._end_term(f"the election failed: {exc}", graceful=False)
         finally:
@@ -307,6 +311,8 @@ class Campaign:
             self._backend.acquire, self._req, wait, until=started + self.renew_deadline
         )
         if not ok:
+            if isinstance(result, NotMigrated):
+                raise result  # no attempt can succeed: the election fails (runworker exits 1)
             logger.warning("django-dlock: %s: campaign attempt failed: %r", self.key.name, result)
             return self._jittered()
         if result is not None:

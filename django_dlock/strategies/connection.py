@@ -15,6 +15,7 @@ is back in time, and SQLite waits for another writer only until the deadline.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 import weakref
@@ -26,7 +27,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from django_dlock.exceptions import DatabaseUnavailable
+from django_dlock.exceptions import DatabaseUnavailable, NotMigrated
 from django_dlock.strategies.deadline import (
     STATEMENT_FLOOR,
     Abandoned,
@@ -46,7 +47,9 @@ __all__ = [
     "fetch_one",
     "in_savepoint",
     "lock_connection",
+    "not_migrated",
     "require_postgresql",
+    "tables_missing",
     "unreachable",
     "uses_django_pool",
     "with_reconnect",
@@ -259,7 +262,32 @@ def _failed(connection: BaseDatabaseWrapper, exc: DatabaseError) -> NoReturn:
         raise DatabaseUnavailable(
             f"database {connection.alias!r} could not be reached: {str(exc).strip()}"
         ) from exc
+    if tables_missing(exc):
+        raise not_migrated(connection.alias) from exc
     raise exc
+
+
+#: what each database says of a table or sequence that is not there
+_MISSING = re.compile(
+    r"(relation \"django_dlock_\w+\" does not exist"  # PostgreSQL (42P01)
+    r"|no such table: django_dlock_"  # SQLite
+    r"|table '[^']*django_dlock_\w+' doesn't exist)",  # MySQL/MariaDB (1146)
+    re.IGNORECASE,
+)
+
+
+def tables_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a django-dlock table (or sequence) does not exist."""
+    return _MISSING.search(str(exc)) is not None
+
+
+def not_migrated(alias: str) -> NotMigrated:
+    """The error for django-dlock's tables missing on ``alias``."""
+    option = "" if alias == "default" else f" --database {alias}"
+    return NotMigrated(
+        f"django-dlock's tables are missing on database {alias!r}: run "
+        f"`python manage.py migrate django_dlock{option}`"
+    )
 
 
 @contextmanager

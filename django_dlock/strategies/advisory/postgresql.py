@@ -64,9 +64,13 @@ from django_dlock.strategies.advisory.session import (
     WaitCancelled,
 )
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import fetch_one, lock_connection, require_postgresql
+from django_dlock.strategies.connection import (
+    fetch_one,
+    lock_connection,
+    not_migrated,
+    require_postgresql,
+)
 from django_dlock.strategies.fence import NEXT_FENCE
-from django_dlock.tables import FENCE_SEQUENCE
 
 logger = logging.getLogger("django_dlock")
 
@@ -214,11 +218,8 @@ class AdvisoryStrategy(SessionAsyncAcquire):
         return psycopg.Error
 
     def _failed(self, req: Request, exc: Exception) -> DLockError:
-        if isinstance(exc, psycopg.errors.UndefinedTable):
-            return DLockError(
-                f"the {FENCE_SEQUENCE} sequence is missing on database "
-                f"{req.alias!r}: run `python manage.py migrate django_dlock`"
-            )
+        if isinstance(exc, psycopg.errors.UndefinedTable):  # the fence sequence
+            return not_migrated(req.alias)
         return DLockError(f"the advisory lock statement for {req.key.name!r} failed: {exc}")
 
     # -- inspect -------------------------------------------------------------------

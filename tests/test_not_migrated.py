@@ -1,0 +1,59 @@
+"""A database where ``migrate`` was not run for django-dlock: every entry
+point says so by name (``NotMigrated``, ``dlock.W070``, a command error
+with exit status 1), never with the driver's "relation does not exist"."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.core.checks import run_checks
+from django.core.management import CommandError, call_command
+from django.db import connections
+
+import django_dlock as dlock
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
+
+
+@pytest.fixture
+def unmigrated(alias: str) -> Iterator[str]:
+    """``alias`` without django-dlock's lock table (put back afterwards)."""
+    with connections[alias].cursor() as cur:
+        cur.execute("ALTER TABLE django_dlock_lock RENAME TO django_dlock_lock_away")
+    try:
+        yield alias
+    finally:
+        connections.close_all()
+        with connections[alias].cursor() as cur:
+            cur.execute("ALTER TABLE django_dlock_lock_away RENAME TO django_dlock_lock")
+
+
+def _hint(alias: str) -> str:
+    option = "" if alias == "default" else f" --database {alias}"
+    return f"python manage.py migrate django_dlock{option}"
+
+
+def test_a_lock_says_run_migrate(unmigrated):
+    lk = dlock.lock("nm", using=unmigrated)
+    with pytest.raises(dlock.NotMigrated, match=_hint(unmigrated)) as raised:
+        lk.acquire(timeout=0)
+    assert raised.value.__cause__ is not None  # the driver's error, chained
+    with pytest.raises(dlock.NotMigrated), dlock.lock("nm", using=unmigrated, timeout=2):
+        pass
+
+
+def test_check_database_warns(unmigrated):
+    found = [m for m in run_checks(databases=[unmigrated]) if m.id == "dlock.W070"]
+    assert len(found) == 1
+    assert _hint(unmigrated) in (found[0].hint or "")
+
+
+def test_check_database_is_quiet_once_migrated(alias):
+    assert [m for m in run_checks(databases=[alias]) if m.id == "dlock.W070"] == []
+
+
+def test_runworker_exits_with_status_1(unmigrated):
+    with pytest.raises(CommandError, match=_hint(unmigrated)) as raised:
+        call_command("runworker", "--job", "os.getcwd", "--using", unmigrated, verbosity=0)
+    assert raised.value.returncode == 1
