@@ -128,7 +128,7 @@ def test_the_wheel_metadata(dists):
     urls = {u.split(",", 1)[0].strip().lower() for u in meta["Project-URL"]}
     assert {"documentation", "source", "changelog"} <= urls
     extras = set(meta["Provides-Extra"])
-    assert {"celery", "prometheus"} <= extras
+    assert {"celery", "prometheus", "demo"} <= extras
 
 
 def test_the_sdist_has_the_license_and_the_package_data(dists):
