@@ -101,7 +101,8 @@ def check_metrics(**kwargs: Any) -> list[CheckMessage]:
         return [
             Error(
                 'DLOCK_METRICS = "prometheus" but prometheus_client is not installed.',
-                hint='Install the "prometheus" extra: django-dlock[prometheus].',
+                hint='Install the "prometheus" extra (pip install -e ".[prometheus]" in a checkout '
+                "of django-dlock) or prometheus_client itself.",
                 id="dlock.E041",
             )
         ]

@@ -227,3 +227,71 @@ def test_is_held_is_locked_and_owner_is_shown(alias):
         out = StringIO()
         call_command("dlock_show", "lock:cf-show", "--using", alias, stdout=out)
         assert current_holder().owner() in out.getvalue()
+
+
+# -- celery-once and celery-singleton -------------------------------------------
+
+
+@pytest.fixture
+def celery_charge():
+    """A SingleInstanceTask on an app whose broker is kombu's in-memory transport."""
+    from celery import Celery
+
+    from django_dlock.contrib.celery import SingleInstanceTask
+
+    app = Celery("cf", broker="memory://", set_as_current=False)
+
+    @app.task(name="cf.charge", base=SingleInstanceTask, lock_args=["invoice_id"])
+    def charge(invoice_id, amount):
+        return f"charged {amount} on invoice {invoice_id}"
+
+    yield app, charge
+    app.close()
+
+
+def test_every_send_is_sent_and_takes_no_lock(celery_charge):
+    """celery-once raises AlreadyQueued on a duplicate send, celery-singleton returns
+    the first call's result. Ours sends every call and locks nothing when sending."""
+    from django_dlock.models import Lock as LockRow
+
+    app, charge = celery_charge
+    first = charge.delay(42, 10)
+    second = charge.delay(42, 10)
+    assert first.id != second.id
+    assert not LockRow.objects.filter(name__startswith="lock:celery:").exists()
+    with app.connection_for_write() as conn:
+        declared = conn.default_channel.queue_declare(queue="celery", passive=True)
+    assert declared.message_count == 2
+
+
+def test_a_run_while_another_runs_is_skipped_and_a_later_one_runs(celery_charge):
+    """Ours dedupes at run time: a run that finds the key held returns None; once the
+    other run ended, the same call runs. Other arguments run at once."""
+    _, charge = celery_charge
+    assert charge.apply(args=(42, 10)).get() == "charged 10 on invoice 42"
+    other_run = dlock.lock("celery:cf.charge:42")  # the task's key, held by another holder
+    other_run.acquire()
+    try:
+        assert in_thread(lambda: charge.apply(args=(42, 10)).get()) is None
+        assert in_thread(lambda: charge.apply(args=(43, 10)).get()) == "charged 10 on invoice 43"
+        # a direct call (not checked by celery-once) takes the same lock
+        assert in_thread(charge, 42, 10) is None
+    finally:
+        other_run.release()
+    assert in_thread(lambda: charge.apply(args=(42, 10)).get()) == "charged 10 on invoice 42"
+
+
+def test_on_locked_retry_instead_of_graceful(celery_charge):
+    """celery-once's ``graceful`` silences the duplicate; ours skips by default and
+    ``on_locked="retry"`` retries the run later instead."""
+    from celery.exceptions import Retry
+
+    _, charge = celery_charge
+    charge.on_locked = "retry"
+    other_run = dlock.lock("celery:cf.charge:7")
+    other_run.acquire()
+    try:
+        with pytest.raises(Retry):
+            in_thread(charge, 7, 1)
+    finally:
+        other_run.release()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import re
@@ -213,7 +214,7 @@ def test_dlock_list_and_show_advisory_locks_on_postgresql():
         assert "Advisory locks in 'default': 1" in out
         assert str(key) in out and str(pid) in out and "ExclusiveLock" in out
         out = run("dlock_show", "adv-job")
-        assert f"advisory key  {key}" in out
+        assert re.search(rf"^advisory key +{key}$", out, re.MULTILINE)
         assert f"held ExclusiveLock by pid {pid}" in out
     finally:
         other.close()
@@ -229,7 +230,7 @@ def test_dlock_show(alias):
     try:
         out = run("dlock_show", "shown", "--using", alias)
         assert "lock:shown" in out and "held" in out
-        assert f"fence        {lk.fence}" in out
+        assert re.search(rf"^fence +{lk.fence}$", out, re.MULTILINE)
         assert lk.token not in out and lk.token[:8] in out
         # the same lock by its stored name (the seconds left move on meanwhile)
         again = run("dlock_show", "lock:shown", "--using", alias)
@@ -272,7 +273,7 @@ def test_dlock_release_of_a_free_or_missing_lock():
     lk.acquire()
     lk.release()
     assert "already released" in run("dlock_release", "free", "--yes")
-    with pytest.raises(CommandError, match="no lease named 'nothing'"):
+    with pytest.raises(CommandError, match="no lock named 'nothing'"):
         run("dlock_release", "nothing", "--yes")
 
 
@@ -284,3 +285,124 @@ def test_extend_after_force_release_sees_lock_lost():
         lk.extend()
     with pytest.raises(dlock.LockLost):
         lk.release()
+
+
+# -- output: labels in one column, wording, verbosity, one message ---------------------
+
+
+def value_columns(out: str) -> dict[str, int]:
+    """dlock_show's ``label  value`` lines (not indented): label -> where its value starts."""
+    found = {}
+    for line in out.splitlines():
+        match = re.match(r"^(\S+(?: \S+)*?)( {2,})\S", line)
+        if match:
+            found[match.group(1)] = len(match.group(1)) + len(match.group(2))
+    return found
+
+
+def test_dlock_show_lines_up_every_label_postgresql():
+    lk = dlock.lock("aligned", ttl=120)
+    lk.acquire()
+    other = connections["default"].copy()
+    try:
+        with other.cursor() as cur:  # the same name's advisory lock, held elsewhere
+            cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:aligned")])
+        out = run("dlock_show", "aligned")
+    finally:
+        other.close()
+        lk.release()
+    columns = value_columns(out)
+    assert {"name", "fence", "acquired at", "waiters", "advisory key"} <= set(columns), out
+    assert len(set(columns.values())) == 1, out
+
+
+def test_dlock_show_lines_up_every_label_mysql():
+    lease = dlock.lock("aligned", using="mysql", ttl=120)
+    advisory = dlock.lock("aligned", using="mysql", strategy="advisory")
+    with lease, advisory:
+        out = run("dlock_show", "aligned", "--using", "mysql")
+    columns = value_columns(out)
+    assert {"name", "expires at", "waiters", "GET_LOCK name"} <= set(columns), out
+    assert len(set(columns.values())) == 1, out
+
+
+def test_dlock_release_without_yes_says_who_holds_it_once(alias):
+    lk = dlock.lock("worded", using=alias, ttl=300)
+    lk.acquire()
+    try:
+        row = LockRow.objects.using(alias).get(name="lock:worded")
+        with pytest.raises(CommandError) as refused:
+            run("dlock_release", "worded", "--using", alias)
+    finally:
+        lk.release()
+    message = str(refused.value)
+    expected = f"(held by {row.owner}, fence {row.fence})"
+    assert (
+        row.owner and message == f"refusing to force-release 'lock:worded' {expected} without --yes"
+    )
+    assert "held, held" not in message
+
+
+def test_dlock_release_without_yes_of_an_expired_lease():
+    LockRow.objects.create(
+        name="lock:lapsed",
+        token="t",
+        owner="gone host pid=1",
+        fence=7,
+        acquired_at=timezone.now() - dt.timedelta(days=2),
+        expire_at=timezone.now() - dt.timedelta(days=1),
+    )
+    with pytest.raises(CommandError) as refused:
+        run("dlock_release", "lapsed")
+    assert str(refused.value) == (
+        "refusing to force-release 'lock:lapsed' (expired, last held by gone host pid=1, "
+        "fence 7) without --yes"
+    )
+
+
+def test_one_message_for_a_name_that_names_no_lock(alias):
+    for command in (["dlock_show"], ["dlock_release", "--yes"]):
+        with pytest.raises(CommandError) as missing:
+            run(*command, "nothing", "--using", alias)
+        assert str(missing.value) == f"no lock named 'nothing' in {alias!r}"
+
+
+def test_verbosity_0_prints_nothing_but_errors(alias):
+    held = dlock.lock("quiet-held", using=alias, ttl=300)
+    held.acquire()
+    gone = dlock.lock("quiet-gone", using=alias)
+    gone.acquire()
+    gone.release()
+    try:
+        assert run("dlock_list", "--using", alias) != ""
+        assert run("dlock_list", "--all", "--using", alias, verbosity=0) == ""
+        assert run("dlock_show", "quiet-held", "--using", alias, verbosity=0) == ""
+        assert run("dlock_release", "quiet-gone", "--yes", "--using", alias, verbosity=0) == ""
+        assert "already released" in run("dlock_release", "quiet-gone", "--yes", "--using", alias)
+        assert run("dlock_cleanup", "--dry-run", "--using", alias, verbosity=0) == ""
+        assert "Dry run" in run("dlock_cleanup", "--dry-run", "--using", alias)
+        assert run("dlock_cleanup", "--using", alias, verbosity=0) == ""
+        assert not LockRow.objects.using(alias).filter(name="lock:quiet-gone").exists()
+        # errors are still errors
+        with pytest.raises(CommandError, match="no lock named 'nothing'"):
+            run("dlock_show", "nothing", "--using", alias, verbosity=0)
+        with pytest.raises(CommandError, match="without --yes"):
+            run("dlock_release", "quiet-held", "--using", alias, verbosity=0)
+        assert run("dlock_release", "quiet-held", "--yes", "--using", alias, verbosity=0) == ""
+        assert not held.locked()
+    finally:
+        with contextlib.suppress(dlock.LockLost):
+            held.release()
+
+
+def test_verbosity_0_from_the_command_line_prints_nothing():
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "DLOCK_TEST_CHILD": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "django", "dlock_list", "--all", "-v", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout) == (0, ""), result.stderr

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("release with 1,000 queued waiters ...", file=sys.stderr)
         queued = queue_release.run(600 if args.quick else 3_000)
-        sections["7. Release with 1,000 waiters queued (lease)"] = queue_release.table(queued)
+        sections["3. Release with 1,000 waiters queued (lease)"] = queue_release.table(queued)
     if "scale" in only:
         from . import scale
 
@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = 100_000 if args.quick else scale.ROWS
         acq = scale.acquisition(args.rounds, args.seconds, rows)
         cleanups = scale.cleanup(rows)
-        sections["3. Scale: 1,000,000 expired lease rows"] = report.scale_table(acq, cleanups)
+        sections["4. Scale: 1,000,000 expired lease rows"] = report.scale_table(acq, cleanups)
     if "failover" in only:
         from . import failover
 
         print("leader failover ...", file=sys.stderr)
-        sections["4. Leader failover (manage.py runworker)"] = [
+        sections["5. Leader failover (manage.py runworker)"] = [
             *report.failover_table(failover.run(args.kills)),
             "",
             "When the database itself fails over (a private primary and its streaming",
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print("scaling: N = 1 .. 16 processes ...", file=sys.stderr)
         counts = (1, 2, 4) if args.quick else scaling.COUNTS
         points = scaling.run(rounds=1 if args.quick else 2, seconds=args.seconds, counts=counts)
-        sections["5. Scaling: N processes, distinct keys and one hot key"] = [
+        sections["6. Scaling: N processes, distinct keys and one hot key"] = [
             "![scaling chart](img/scaling.png)",
             "",
             *report.scaling_table(points),
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import memory
 
         print("memory and sessions ...", file=sys.stderr)
-        sections["6. Memory and sessions of one process"] = report.memory_table(memory.run())
+        sections["7. Memory and sessions of one process"] = report.memory_table(memory.run())
 
     if "quorum" in only:
         from . import quorum

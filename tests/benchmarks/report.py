@@ -306,24 +306,32 @@ def scaling_chart(points: list[Point], path: Path) -> None:
     plt.close(fig)
 
 
+#: bar colours of the chart: ours, the floors (and Django's share), other libraries
+OURS, FLOOR, OTHERS = "#2e86c1", "#9e9e9e", "#c0392b"
+OURS_LIGHT, OTHERS_LIGHT = "#85c1e9", "#f1948a"
+CHART_TITLE = "django-dlock (blue) vs the least-SQL floors (grey) and other libraries (red)"
+
+
+def _colour(name: str) -> str:
+    if name.startswith(("floor", "Django's share")):
+        return FLOOR
+    if "redis" in name or "pglock" in name:
+        return OTHERS
+    return OURS
+
+
 def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6))
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(15, 6.4), gridspec_kw={"width_ratios": [1.5, 1]}
+    )
     names = list(results)
     rates = [results[n].rate for n in names]
-    colors = [
-        "#9e9e9e"
-        if n.startswith("raw")
-        else "#c0392b"
-        if ("redis" in n or "pglock" in n)
-        else "#2e86c1"
-        for n in names
-    ]
-    left.barh(names, rates, color=colors)
+    left.barh(names, rates, color=[_colour(n) for n in names])
     left.invert_yaxis()
     left.set_xlabel("acquire + release pairs per second (median, higher is better)")
     left.set_title("Uncontended, one client")
@@ -331,25 +339,61 @@ def chart(results: dict[str, Series], handoffs: list[Handoff], path: Path) -> No
     names_h = [h.name for h in handoffs]
     ours = {"advisory", "lease"}
     xs = range(len(names_h))
-    p50_colors = ["#2e86c1" if n in ours else "#c0392b" for n in names_h]
-    p99_colors = ["#85c1e9" if n in ours else "#f1948a" for n in names_h]
+    p50_colors = [OURS if n in ours else OTHERS for n in names_h]
+    p99_colors = [OURS_LIGHT if n in ours else OTHERS_LIGHT for n in names_h]
     right.bar([x - 0.2 for x in xs], [h.p50_ms for h in handoffs], 0.4, color=p50_colors)
     right.bar([x + 0.2 for x in xs], [h.p99_ms for h in handoffs], 0.4, color=p99_colors)
+    # name, then the share of hand-offs to another process: one short line each
     right.set_xticks(
         list(xs),
-        [
-            f"{n}\n({h.holder_changes:.0%} hand-offs)"
-            for n, h in zip(names_h, handoffs, strict=True)
-        ],
+        [f"{n}\n{h.holder_changes:.0%}" for n, h in zip(names_h, handoffs, strict=True)],
+        fontsize=9,
     )
+    right.set_xlabel("waiting method, and % of hand-offs to another process")
     right.set_yscale("log")
     right.set_ylabel("ms (log): p50 dark, p99 light; lower is better")
     right.set_title("Hand-off, 4 processes, one key, ~1 ms work")
-    fig.suptitle("django-dlock (blue) vs raw floors (grey) and other libraries (red)")
+    fig.suptitle(CHART_TITLE)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the first table under the ``## `` heading that ends with ``heading``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## ") and heading in line)
+    rows: list[list[str]] = []
+    for line in lines[start + 1 :]:
+        if line.startswith("## "):
+            break
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]  # past the header and the alignment row
+
+
+def chart_from_report(report: Path, path: Path) -> None:
+    """Draw :func:`chart` again from the tables of a written report (no new run)."""
+    text = report.read_text()
+    results = {
+        row[0]: Series(row[0], rates=[float(row[1].replace(",", ""))])
+        for row in _table_rows(text, "Uncontended acquire + release")
+    }
+    handoffs = [
+        Handoff(
+            name=row[0],
+            acquisitions_per_second=float(row[1].replace(",", "")),
+            holder_changes=float(row[2].rstrip("%")) / 100,
+            p50_ms=float(row[3]),
+            p99_ms=float(row[4]),
+            worst_ms=float(row[5]),
+        )
+        for row in _table_rows(text, "Hand-off under contention")
+    ]
+    chart(results, handoffs, path)
 
 
 def markdown(sections: dict[str, list[str]], meta: dict[str, Any]) -> str:
@@ -394,3 +438,10 @@ def meta() -> dict[str, Any]:
         "versions": f"Python {platform.python_version()}, Django {django.get_version()}, "
         f"psycopg {psycopg.__version__}, PostgreSQL {pg}",
     }
+
+
+if __name__ == "__main__":
+    # ``python -m tests.benchmarks.report``: redraw docs/img/benchmarks.png from the
+    # tables of docs/benchmarks.md, without running the benchmarks again.
+    root = Path(__file__).resolve().parents[2]
+    chart_from_report(root / "docs" / "benchmarks.md", root / "docs" / "img" / "benchmarks.png")

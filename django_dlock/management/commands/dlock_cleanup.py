@@ -6,14 +6,15 @@ import math
 import time
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, connections
 
 from django_dlock import cleanup
+from django_dlock.management.base import DlockCommand
 from django_dlock.operations import default_alias
 
 
-class Command(BaseCommand):
+class Command(DlockCommand):
     help = (
         "Delete expired and released lease rows in batches. A live lease is never deleted "
         "(judged on the database clock), and no batch holds a long table lock, so it is safe "
@@ -69,7 +70,7 @@ class Command(BaseCommand):
         try:
             if options["dry_run"]:
                 count = cleanup.count_free(using, older_than)
-                self.stdout.write(
+                self.say(
                     f"Dry run: would delete {count} expired or released lease "
                     f"row{'s' if count != 1 else ''}{age} from {using!r}; nothing was deleted."
                 )
@@ -81,7 +82,7 @@ class Command(BaseCommand):
                 nonlocal batches
                 batches += 1
                 if show_progress:
-                    self.stdout.write(f"batch {batches}: deleted {deleted} rows ({total} so far)")
+                    self.say(f"batch {batches}: deleted {deleted} rows ({total} so far)")
 
             total = cleanup.delete_free(
                 using, batch_size=batch_size, older_than=older_than, progress=progress
@@ -90,7 +91,7 @@ class Command(BaseCommand):
             raise CommandError(f"cleanup of {using!r} failed: {exc}") from exc
         elapsed = time.monotonic() - started
         if verbosity >= 1:
-            self.stdout.write(
+            self.say(
                 self.style.SUCCESS(
                     f"Deleted {total} expired or released lease row{'s' if total != 1 else ''}"
                     f"{age} from {using!r} in {batches} batch{'es' if batches != 1 else ''} "

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import connections
 
 from django_dlock import operations as override
+from django_dlock.management.base import DlockCommand
 from django_dlock.strategies import queue
 
 
@@ -49,7 +50,7 @@ def resolve_alias(using: str | None) -> str:
     return alias
 
 
-class Command(BaseCommand):
+class Command(DlockCommand):
     help = (
         "List the locks held now: lease rows (state on the database clock) and "
         "advisory locks (PostgreSQL: held or awaited; MySQL/MariaDB: where the server "
@@ -72,7 +73,7 @@ class Command(BaseCommand):
             raise CommandError(f"--limit must be a whole number >= 1, got {limit!r}")
         leases = override.leases(using, held_only=not options["all"], limit=limit)
         what = "Lease rows" if options["all"] else "Held leases"
-        self.stdout.write(f"{what} in {using!r}: {len(leases)}")
+        self.say(f"{what} in {using!r}: {len(leases)}")
         if leases:
             queued = waiter_counts(using, [lease.name for lease in leases])
             rows = [
@@ -89,10 +90,10 @@ class Command(BaseCommand):
             ]
             headers = ["NAME", "STATE", "OWNER", "FENCE", "TOKEN", "EXPIRES", "WAITERS"]
             for line in table(headers, rows):
-                self.stdout.write(line)
+                self.say(line)
         if override.is_postgresql(using):
             advisory = override.advisory_locks(using)
-            self.stdout.write(f"Advisory locks in {using!r}: {len(advisory)}")
+            self.say(f"Advisory locks in {using!r}: {len(advisory)}")
             if advisory:
                 rows = [
                     [
@@ -108,16 +109,16 @@ class Command(BaseCommand):
                 ]
                 headers = ["KEY", "KIND", "STATE", "MODE", "PID", "APPLICATION", "WAITING SINCE"]
                 for line in table(headers, rows):
-                    self.stdout.write(line)
+                    self.say(line)
         if override.is_mysql(using):
             self._user_locks(using)
 
     def _user_locks(self, using: str) -> None:
         found = override.user_locks(using)
         if found.source is None:
-            self.stdout.write(f"Advisory locks in {using!r}: cannot list them: {found.problem}")
+            self.say(f"Advisory locks in {using!r}: cannot list them: {found.problem}")
             return
-        self.stdout.write(
+        self.say(
             f"Advisory locks (GET_LOCK) on the server of {using!r}, from {found.source}: "
             f"{len(found.locks)}"
         )
@@ -126,4 +127,4 @@ class Command(BaseCommand):
                 [lk.name, lk.state, str(lk.connection_id), lk.user, lk.host] for lk in found.locks
             ]
             for line in table(["NAME", "STATE", "CONNECTION", "USER", "HOST"], rows):
-                self.stdout.write(line)
+                self.say(line)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from django_dlock import operations as override
+from django_dlock.management.base import DlockCommand, no_such_lock
 from django_dlock.management.commands.dlock_list import resolve_alias
 
 
-class Command(BaseCommand):
+class Command(DlockCommand):
     help = (
         "Force-release a lease by name (manual override). The holder is not stopped: its "
         "next renew or release raises LockLost. Needs --yes."
@@ -26,21 +27,23 @@ class Command(BaseCommand):
         name = options["name"]
         lease = override.find_lease(using, name)
         if lease is None:
-            raise CommandError(f"no lease named {name!r} in {using!r}")
+            raise no_such_lock(name, using)
         if lease.state == "released":
-            self.stdout.write(f"{lease.name} is already released; nothing to do.")
+            self.say(f"{lease.name} is already released; nothing to do.")
             return
         if not options["yes"]:
-            raise CommandError(
-                f"refusing to force-release {lease.name!r} ({lease.state}, held by "
-                f"{lease.owner or 'unknown'}, fence {lease.fence}) without --yes"
-            )
+            holder = lease.owner or "an unknown owner"
+            if lease.state == "held":
+                whose = f"held by {holder}, fence {lease.fence}"
+            else:  # expired: still in the row until someone takes or cleans it
+                whose = f"expired, last held by {holder}, fence {lease.fence}"
+            raise CommandError(f"refusing to force-release {lease.name!r} ({whose}) without --yes")
         released = override.force_release(using, pks=[lease.pk], source="command")
         if not released:
-            self.stdout.write(f"{lease.name} was released meanwhile; nothing to do.")
+            self.say(f"{lease.name} was released meanwhile; nothing to do.")
             return
         item = released[0]
-        self.stdout.write(
+        self.say(
             self.style.SUCCESS(
                 f"Force-released {item.name} (was held by {item.owner or 'unknown'}, "
                 f"fence {item.fence}). Its holder sees LockLost on its next renew or release."

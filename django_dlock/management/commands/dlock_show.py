@@ -4,14 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandParser
 
 from django_dlock import operations as override
+from django_dlock.management.base import DlockCommand, no_such_lock
 from django_dlock.management.commands.dlock_list import resolve_alias, seconds_text, table
 from django_dlock.strategies import queue
 
+#: every label dlock_show prints, so that their values line up in one column
+LABELS = (
+    "name",
+    "state",
+    "owner",
+    "fence",
+    "token",
+    "acquired at",
+    "expires at",
+    "expires",
+    "waiters",
+    "advisory key",
+    "GET_LOCK name",
+)
+LABEL_WIDTH = max(len(label) for label in LABELS)
 
-class Command(BaseCommand):
+
+class Command(DlockCommand):
     help = (
         'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
         "its lease row, the waiters queued for it, and who holds its advisory lock "
@@ -35,7 +52,7 @@ class Command(BaseCommand):
         if override.is_mysql(using):
             user_lock = override.user_lock_holder(using, name)
         if lease is None and not advisory and (user_lock is None or user_lock[1] is None):
-            raise CommandError(f"no lock named {name!r} in {using!r}")
+            raise no_such_lock(name, using)
         if lease is not None:
             acquired = lease.acquired_at
             fields = [
@@ -48,25 +65,26 @@ class Command(BaseCommand):
                 ("expires at", lease.expire_at.isoformat()),
                 ("expires", seconds_text(lease)),
             ]
-            width = max(len(label) for label, _ in fields)
             for label, value in fields:
-                self.stdout.write(f"{label.ljust(width)}  {value}")
+                self._field(label, value)
             self._waiters(using, lease.name)
         if key is not None:
-            self.stdout.write(f"advisory key  {key}")
+            self._field("advisory key", str(key))
             for lk in advisory:
-                self.stdout.write(
-                    f"  {lk.state} {lk.mode} by pid {lk.pid} ({lk.application or 'no name'})"
-                )
+                self.say(f"  {lk.state} {lk.mode} by pid {lk.pid} ({lk.application or 'no name'})")
         if user_lock is not None and user_lock[1] is not None:
-            self.stdout.write(f"GET_LOCK name  {user_lock[0]}")
-            self.stdout.write(f"  held by connection {user_lock[1]}")
+            self._field("GET_LOCK name", user_lock[0])
+            self.say(f"  held by connection {user_lock[1]}")
+
+    def _field(self, label: str, value: str) -> None:
+        """``label  value``, every label padded to the longest one this command prints."""
+        self.say(f"{label.ljust(LABEL_WIDTH)}  {value}")
 
     def _waiters(self, using: str, name: str) -> None:
         """The key's queue (lease strategy): position, ticket, owner, waiting since."""
         found = queue.waiters(using, [name])
         live = [row for row in found if row[4]]
-        self.stdout.write(f"waiters  {len(live)}")
+        self._field("waiters", str(len(live)))
         if not found:
             return
         rows = []
@@ -84,4 +102,4 @@ class Command(BaseCommand):
                 ]
             )
         for line in table(["POSITION", "TICKET", "OWNER", "WAITING SINCE", "STATE"], rows):
-            self.stdout.write(f"  {line}")
+            self.say(f"  {line}")
