@@ -57,3 +57,19 @@ def test_runworker_exits_with_status_1(unmigrated):
     with pytest.raises(CommandError, match=_hint(unmigrated)) as raised:
         call_command("runworker", "--job", "os.getcwd", "--using", unmigrated, verbosity=0)
     assert raised.value.returncode == 1
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["dlock_list"],
+        ["dlock_show", "nm"],
+        ["dlock_release", "nm", "--yes"],
+        ["dlock_cleanup"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_commands_say_run_migrate(unmigrated, command):
+    with pytest.raises(CommandError, match=_hint(unmigrated)) as raised:
+        call_command(*command, "--using", unmigrated, verbosity=0)
+    assert raised.value.returncode == 1

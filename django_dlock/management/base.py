@@ -1,4 +1,5 @@
-"""What the ``dlock_*`` commands share: verbosity and the message for an unknown name."""
+"""What the ``dlock_*`` commands share: verbosity, the message for an unknown name,
+and "run migrate" for a database without django-dlock's tables."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
+
+from django_dlock.conf import lock_alias
+from django_dlock.exceptions import NotMigrated
+from django_dlock.strategies.connection import not_migrated, tables_missing
 
 
 def no_such_lock(name: str, using: str) -> CommandError:
@@ -24,7 +30,15 @@ class DlockCommand(BaseCommand):
 
     def execute(self, *args: Any, **options: Any) -> str | None:
         self.verbosity = int(options.get("verbosity", 1))
-        return super().execute(*args, **options)
+        try:
+            return super().execute(*args, **options)
+        except NotMigrated as exc:
+            raise CommandError(str(exc)) from None
+        except DatabaseError as exc:  # the ORM's statements: the same message
+            if not tables_missing(exc):
+                raise
+            alias = options.get("using") or lock_alias()
+            raise CommandError(str(not_migrated(str(alias)))) from None
 
     def say(self, text: str, style: Callable[[str], str] | None = None) -> None:
         """Write one line of output unless ``-v 0`` asked for none."""

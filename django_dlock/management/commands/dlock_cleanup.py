@@ -12,6 +12,7 @@ from django.db import DatabaseError, connections
 from django_dlock import cleanup
 from django_dlock.management.base import DlockCommand
 from django_dlock.operations import default_alias
+from django_dlock.strategies.connection import not_migrated, tables_missing
 
 
 class Command(DlockCommand):
@@ -88,6 +89,8 @@ class Command(DlockCommand):
                 using, batch_size=batch_size, older_than=older_than, progress=progress
             )
         except DatabaseError as exc:
+            if tables_missing(exc):
+                raise CommandError(str(not_migrated(using))) from None
             raise CommandError(f"cleanup of {using!r} failed: {exc}") from exc
         elapsed = time.monotonic() - started
         if verbosity >= 1:
