@@ -264,3 +264,26 @@ def test_terminate_needs_post_with_csrf(advisory_holder):
     url = reverse("admin:django_dlock_lock_terminate", args=[pid])
     assert client.post(url, {"post": "yes"}).status_code == 403  # no CSRF token
     assert client.put(url).status_code in (403, 405)
+
+
+def breadcrumbs(page: str) -> list[str]:
+    """The texts of the breadcrumb trail, in order."""
+    found = re.search(r'<div class="breadcrumbs">(.*?)</div>', page, re.S)
+    assert found, "no breadcrumbs"
+    text = re.sub(r"<[^>]+>", "", found.group(1)).replace("&rsaquo;", "›")
+    return [part.strip() for part in text.split("›")]
+
+
+def test_terminate_confirmation_breadcrumbs_name_the_app(admin_client_, advisory_holder):
+    _, pid = advisory_holder
+    page = admin_client_.get(reverse("admin:django_dlock_lock_terminate", args=[pid]))
+    html = page.content.decode()
+    assert breadcrumbs(html) == [
+        "Home",
+        "Distributed locks",
+        "Locks",
+        "Advisory locks",
+        f"Terminate {pid}",
+    ]
+    app_list = reverse("admin:app_list", kwargs={"app_label": "django_dlock"})
+    assert f'<a href="{app_list}">Distributed locks</a>' in html
