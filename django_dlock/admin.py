@@ -91,6 +91,17 @@ def compact(value: dt.datetime | None) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def exact(value: dt.datetime | None) -> str:
+    """``2024-05-01 14:03:07 UTC``: to the second, with the time zone (``—`` for none)."""
+    if value is None:
+        return "—"
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+        zone = value.strftime("%Z") or value.strftime("UTC%z")
+        return f"{compact(value)} {zone}"
+    return compact(value)
+
+
 #: fields no admin URL may filter, search or sort on
 SECRET_FIELDS = frozenset({"token"})
 
@@ -143,8 +154,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "owner",
         "fence",
         "token_start",
-        "acquired_at",
-        "expire_at",
+        "acquired_at_exact",
+        "expire_at_exact",
         "time_left",
         "waiters",
     )
@@ -205,9 +216,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         day, _, clock = compact(obj.acquired_at).partition(" ")
         return format_html('<span style="white-space:nowrap">{}<br>{}</span>', day, clock)
 
-    @admin.display(description="expires", ordering="expire_at")
-    def expires(self, obj: Lock) -> str:
-        return compact(obj.expire_at)
+    @admin.display(description=Lock._meta.get_field("acquired_at").verbose_name)
+    def acquired_at_exact(self, obj: Lock) -> str:
+        return exact(obj.acquired_at)
+
+    @admin.display(description=Lock._meta.get_field("expire_at").verbose_name)
+    def expire_at_exact(self, obj: Lock) -> str:
+        return exact(obj.expire_at)
 
     @admin.display(description="token")
     def token_start(self, obj: Lock) -> str:
@@ -224,7 +239,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
             (
-                (position, owner or "—", compact(since))
+                (position, owner or "—", exact(since))
                 for position, (_name, _ticket, owner, since, _live) in enumerate(live, 1)
             ),
         )

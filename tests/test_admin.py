@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import threading
 
@@ -287,3 +288,23 @@ def test_terminate_confirmation_breadcrumbs_name_the_app(admin_client_, advisory
     ]
     app_list = reverse("admin:app_list", kwargs={"app_label": "django_dlock"})
     assert f'<a href="{app_list}">Distributed locks</a>' in html
+
+
+def test_detail_page_shows_times_to_the_second_with_the_time_zone(admin_client_, settings):
+    utc = dt.timezone.utc
+    row = make_row(
+        name="lock:timed",
+        acquired_at=dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=utc),
+        expire_at=dt.datetime(2030, 1, 2, 3, 9, 7, tzinfo=utc),
+    )
+    page = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert "2030-01-02 03:04:05 UTC" in page
+    assert "2030-01-02 03:09:07 UTC" in page
+    assert re.search(r"<label>\s*Expires at:\s*</label>", page), page
+    assert "Expire at" not in page
+    assert re.search(r"<label>\s*Acquired at:\s*</label>", page)
+
+    settings.TIME_ZONE = "Europe/Paris"  # the admin's time zone, named on the page
+    page = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert "2030-01-02 04:04:05 CET" in page
+    assert "2030-01-02 04:09:07 CET" in page
