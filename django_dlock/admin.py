@@ -6,8 +6,10 @@
   ``django_dlock.force_release_lock``) ends the selected leases after a
   confirmation page: one ``LogEntry`` per lock, the ``lock_force_released``
   signal, and on PostgreSQL a ``NOTIFY`` that wakes the waiters.
-* "Delete all expired locks" (permission ``django_dlock.delete_lock``) runs
-  the batched cleanup of :mod:`django_dlock.cleanup`.
+* "Delete selected expired or released locks" (permission
+  ``django_dlock.delete_lock``) deletes, after a confirmation page, the
+  selected rows whose lease has ended on the database clock, with the
+  batches of :mod:`django_dlock.cleanup` (never a held lease).
 * On PostgreSQL, "Advisory locks" lists the advisory locks held or awaited
   in the database; a superuser can end a holder's session after a
   confirmation (``pg_terminate_backend``).
@@ -43,7 +45,7 @@ from django.utils.safestring import SafeString
 from django_dlock import cleanup, dbclock
 from django_dlock import operations as override
 from django_dlock.dbclock import DbNow
-from django_dlock.models import Lock
+from django_dlock.models import Lock, Waiter
 from django_dlock.strategies import queue
 
 #: badge colours: (text, background)
@@ -171,7 +173,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Deleting a held row by hand would lose its fencing history; free
-        # rows go through "Delete all expired locks" (django_dlock.cleanup).
+        # rows go through "Delete selected expired or released locks"
+        # (django_dlock.cleanup).
         # Without it Django also drops its "delete selected" action.
         return False
 
@@ -337,14 +340,70 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             request, "admin/django_dlock/lock/force_release_confirmation.html", context
         )
 
-    @admin.action(description="Delete all expired locks", permissions=["delete_expired"])
-    def delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> None:
-        deleted = cleanup.delete_free(queryset.db)
-        self.message_user(
-            request,
-            f"Deleted {deleted} expired or released lock row{'s' if deleted != 1 else ''} "
-            "(all free rows, not only the selected ones; held locks are never deleted).",
-            messages.SUCCESS,
+    @admin.action(
+        description="Delete selected expired or released locks", permissions=["delete_expired"]
+    )
+    def delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+        """Delete the selected rows whose lease has ended, after a confirmation page.
+
+        Which rows have ended is judged by the database when it deletes
+        (``expire_at`` against its own now): a lease held or taken again by
+        then is kept, and so is a free row whose key has live waiters.
+        """
+        if request.POST.get("post") != "yes":
+            return self._confirm_delete_expired(request, queryset)
+        before = dict(queryset.values_list("pk", "name"))
+        deleted = cleanup.delete_free_rows(queryset.db, list(before))
+        left = set(
+            Lock.objects.using(queryset.db).filter(pk__in=list(before)).values_list("pk", flat=True)
+        )
+        gone = sorted(name for pk, name in before.items() if pk not in left)
+        if deleted:
+            self.message_user(
+                request,
+                f"Deleted {deleted} expired or released lock{'s' if deleted != 1 else ''}: "
+                f"{', '.join(gone)}.",
+                messages.SUCCESS,
+            )
+        kept = len(left)
+        if kept:
+            self.message_user(
+                request,
+                f"{kept} selected lock{'s were' if kept != 1 else ' was'} kept: "
+                "held, or waited for.",
+                messages.WARNING,
+            )
+        return None
+
+    def _confirm_delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+        objects = list(queryset)
+        waited = set(
+            Waiter.objects.using(queryset.db)
+            .filter(name__in=[obj.name for obj in objects], expire_at__gt=DbNow())
+            .values_list("name", flat=True)
+        )
+        doomed, kept = [], []
+        for obj in objects:
+            row = {"obj": obj, "state": self.state(obj), "time_left": self.time_left(obj)}
+            if obj.db_held:  # type: ignore[attr-defined]
+                kept.append({**row, "why": "held"})
+            elif obj.name in waited:
+                kept.append({**row, "why": "waiters queued for it"})
+            else:
+                doomed.append(row)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Delete expired or released locks: are you sure?",
+            "opts": self.model._meta,
+            "doomed": doomed,
+            "kept": kept,
+            "queryset": queryset,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/django_dlock/lock/delete_expired_confirmation.html", context
         )
 
     # -- advisory locks (PostgreSQL) ---------------------------------------------

@@ -13,11 +13,13 @@ from django.contrib.auth.models import Permission
 from django.db import DatabaseError, connections
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 import django_dlock as dlock
-from django_dlock import signals
+from django_dlock import cleanup, signals
 from django_dlock.keys import hash64
 from django_dlock.models import Lock as LockRow
+from django_dlock.models import Waiter
 from django_dlock.operations import advisory_key
 
 from .factories import LockFactory as _LockFactory
@@ -168,12 +170,91 @@ def test_force_release_needs_the_permission():
     assert row.token == ""
 
 
-def test_delete_expired_uses_the_batched_cleanup(admin_client_):
-    held = make_row(name="lock:held")
-    [make_row(expired=True) for _ in range(3)]
-    done = action(admin_client_, "delete_expired", [held], post="yes")
-    assert "Deleted 3 expired or released lock rows" in done.content.decode()
-    assert list(LockRow.objects.values_list("name", flat=True)) == ["lock:held"]
+def db_now():
+    """The database's clock (the admin's judge of every lease), as an aware datetime."""
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT statement_timestamp()")
+        return cur.fetchone()[0]
+
+
+def names_left() -> set[str]:
+    return set(LockRow.objects.values_list("name", flat=True))
+
+
+@pytest.fixture
+def ended_and_held():
+    """A held lease, one that ran out, one released, and one that ran out but is not selected."""
+    return {
+        "held": make_row(name="lock:held"),
+        "expired": make_row(name="lock:ran-out", expired=True, token="e" * 32),
+        "released": make_row(name="lock:released", expired=True),
+        "other": make_row(name="lock:not-selected", expired=True, token="a" * 32),
+    }
+
+
+def test_delete_expired_asks_for_confirmation_first(admin_client_, ended_and_held):
+    rows = ended_and_held
+    selected = [rows["held"], rows["expired"], rows["released"]]
+    confirm = action(admin_client_, "delete_expired", selected)
+    assert confirm.status_code == 200
+    page = confirm.content.decode()
+    assert "Delete expired or released locks: are you sure?" in page
+    doomed = page[page.index('id="dlock-delete-list"') : page.index('id="dlock-keep-list"')]
+    kept = page[page.index('id="dlock-keep-list"') :]
+    assert "lock:ran-out" in doomed and "lock:released" in doomed
+    assert "lock:held" not in doomed and "lock:held" in kept
+    assert "lock:not-selected" not in page
+    assert 'value="Yes, delete 2 rows"' in page
+    assert names_left() == {row.name for row in rows.values()}  # nothing deleted yet
+
+
+def test_delete_expired_deletes_the_selected_ended_rows_only(admin_client_, ended_and_held):
+    rows = ended_and_held
+    selected = [rows["held"], rows["expired"], rows["released"]]
+    done = action(admin_client_, "delete_expired", selected, post="yes")
+    page = done.content.decode()
+    assert "Deleted 2 expired or released locks: lock:ran-out, lock:released." in page
+    assert "1 selected lock was kept" in page
+    # the selection is respected, the held row kept
+    assert names_left() == {"lock:held", "lock:not-selected"}
+    assert LockRow.objects.get(name="lock:held").token == rows["held"].token
+
+
+def test_delete_expired_keeps_a_free_row_that_waiters_are_queued_for(admin_client_):
+    row = make_row(name="lock:queued", expired=True)
+    now = db_now()
+    Waiter.objects.create(
+        name="lock:queued",
+        token="w" * 32,
+        owner="waiter",
+        enqueued_at=now,
+        expire_at=now + dt.timedelta(hours=1),
+    )
+    page = action(admin_client_, "delete_expired", [row]).content.decode()
+    assert "waiters queued for it" in page and "dlock-confirm" not in page
+    action(admin_client_, "delete_expired", [row], post="yes")
+    assert names_left() == {"lock:queued"}
+
+
+def test_delete_expired_judges_the_lease_on_the_database_clock(admin_client_, monkeypatch):
+    now = db_now()
+    ahead = make_row(name="lock:ends-in-an-hour", expire_at=now + dt.timedelta(hours=1))
+    behind = make_row(name="lock:ended-an-hour-ago", expire_at=now - dt.timedelta(hours=1))
+    real_now = timezone.now
+
+    # This web server's clock two hours fast: the lease it thinks has ended is held.
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + dt.timedelta(hours=2))
+    page = action(admin_client_, "delete_expired", [ahead]).content.decode()
+    assert "dlock-confirm" not in page
+    action(admin_client_, "delete_expired", [ahead], post="yes")
+    assert "lock:ends-in-an-hour" in names_left()
+
+    # Two hours slow: the lease it thinks is held has ended.
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - dt.timedelta(hours=2))
+    page = action(admin_client_, "delete_expired", [behind]).content.decode()
+    assert 'value="Yes, delete 1 row"' in page
+    action(admin_client_, "delete_expired", [behind], post="yes")
+    assert names_left() == {"lock:ends-in-an-hour"}
 
 
 @pytest.fixture
@@ -308,3 +389,26 @@ def test_detail_page_shows_times_to_the_second_with_the_time_zone(admin_client_,
     page = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
     assert "2030-01-02 04:04:05 CET" in page
     assert "2030-01-02 04:09:07 CET" in page
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_delete_free_rows_deletes_the_chosen_ended_rows_and_keeps_the_fences(alias):
+    def row(name: str, **fields) -> LockRow:
+        made: LockRow = _LockFactory.build(name=name, **fields)  # type: ignore[assignment]
+        made.save(using=alias)
+        return made
+
+    held = row("lock:held")
+    ran_out = row("lock:ran-out", expired=True, token="e" * 32, fence=10**12)
+    released = row("lock:released", expired=True)
+    row("lock:not-chosen", expired=True)
+    assert cleanup.delete_free_rows(alias, [held.pk, ran_out.pk, released.pk]) == 2
+    left = set(LockRow.objects.using(alias).values_list("name", flat=True))
+    assert left == {"lock:held", "lock:not-chosen"}
+    assert cleanup.delete_free_rows(alias, []) == 0
+    lk = dlock.lock("ran-out", using=alias, ttl=60)
+    assert lk.acquire(timeout=5)
+    try:
+        assert (lk.fence or 0) > 10**12  # the fencing history survives the deletion
+    finally:
+        lk.release()
