@@ -27,10 +27,12 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.db import connections
 from django.db.models import Q, QuerySet
 from django.http import (
+    Http404,
     HttpRequest,
     HttpResponse,
     HttpResponseNotAllowed,
@@ -315,7 +317,14 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             )
         return None
 
-    def _confirm_force_release(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+    def _confirm_force_release(
+        self, request: HttpRequest, queryset: QuerySet[Lock], obj: Lock | None = None
+    ) -> Any:
+        """The confirmation page; its form posts the action to the lock list.
+
+        From a lock's own page (``obj``) it is the same page and the same
+        action: the form's target is the list, whose action runs it.
+        """
         opts = self.model._meta
         rows = [
             {
@@ -330,6 +339,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **self.admin_site.each_context(request),
             "title": "Force-release locks: are you sure?",
             "opts": opts,
+            "original": obj,
+            "form_url": "" if obj is None else self._changelist_url(),
             "rows": rows,
             "queryset": queryset,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
@@ -406,11 +417,51 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             request, "admin/django_dlock/lock/delete_expired_confirmation.html", context
         )
 
+    # -- a lock's own page -----------------------------------------------------------
+
+    def _changelist_url(self) -> str:
+        info = (self.admin_site.name, self.model._meta.app_label, self.model._meta.model_name)
+        return reverse("{}:{}_{}_changelist".format(*info))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """The read-only lock page, with "Force release…" while a token is set."""
+        context = dict(extra_context or {})
+        obj = self.get_object(request, unquote(object_id))
+        if obj is not None and obj.token and self.has_force_release_permission(request):
+            info = (self.admin_site.name, self.model._meta.app_label, self.model._meta.model_name)
+            context["dlock_force_release_url"] = reverse(
+                "{}:{}_{}_force_release".format(*info), args=[quote(obj.pk)]
+            )
+        return super().change_view(request, object_id, form_url, extra_context=context)
+
+    def force_release_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """A lock's "Force release…": the list action's confirmation page for this lock."""
+        if request.method != "GET":
+            return HttpResponseNotAllowed(["GET"])
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None:
+            raise Http404(f"No lock with the primary key {object_id!r}.")
+        queryset = self.get_queryset(request).filter(pk=obj.pk)
+        return self._confirm_force_release(request, queryset, obj)  # type: ignore[no-any-return]
+
     # -- advisory locks (PostgreSQL) ---------------------------------------------
 
     def get_urls(self) -> list[URLPattern]:
         info = (self.model._meta.app_label, self.model._meta.model_name)
         urls = [
+            path(
+                "<path:object_id>/force-release/",
+                self.admin_site.admin_view(self.force_release_view),
+                name="{}_{}_force_release".format(*info),
+            ),
             path(
                 "advisory/",
                 self.admin_site.admin_view(self.advisory_view),

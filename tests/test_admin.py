@@ -412,3 +412,70 @@ def test_delete_free_rows_deletes_the_chosen_ended_rows_and_keeps_the_fences(ali
         assert (lk.fence or 0) > 10**12  # the fencing history survives the deletion
     finally:
         lk.release()
+
+
+def form_of(page: str, form_id: str) -> tuple[str, dict[str, list[str]]]:
+    """The target and the fields (but the CSRF token) of the form ``form_id`` of a page."""
+    found = re.search(rf'<form [^>]*id="{form_id}"[^>]*>(.*?)</form>', page, re.S)
+    assert found, f"no form {form_id}"
+    target = re.search(r'action="([^"]*)"', found.group(0)[: found.group(0).index(">")])
+    fields: dict[str, list[str]] = {}
+    for tag in re.findall(r"<input [^>]*>", found.group(1)):
+        name = re.search(r'name="([^"]*)"', tag)
+        value = re.search(r'value="([^"]*)"', tag)
+        if name and name.group(1) != "csrfmiddlewaretoken":
+            fields.setdefault(name.group(1), []).append(value.group(1) if value else "")
+    return (target.group(1) if target else ""), fields
+
+
+def test_force_release_from_the_lock_page(admin_client_):
+    lk = dlock.lock("detail", ttl=300)
+    lk.acquire()
+    make_row(name="lock:bystander")
+    row = LockRow.objects.get(name="lock:detail")
+    url = reverse("admin:django_dlock_lock_force_release", args=[row.pk])
+    detail = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert f'<a href="{url}" id="dlock-force-release"' in detail and "Force release…" in detail
+
+    confirm = admin_client_.get(url)
+    assert confirm.status_code == 200
+    page = confirm.content.decode()
+    assert "Force-release locks: are you sure?" in page  # the list action's page
+    assert "lock:detail" in page and "lock:bystander" not in page
+    assert lk.token not in page
+    assert lk.owned()  # nothing happened yet
+    target, fields = form_of(page, "dlock-force-release-form")
+    # the form runs the list's action on this one lock
+    assert target == CHANGELIST
+    assert fields == {
+        "_selected_action": [str(row.pk)],
+        "action": ["force_release"],
+        "post": ["yes"],
+    }
+
+    done = admin_client_.post(target, fields, follow=True).content.decode()
+    assert "Force-released 1 lock: lock:detail" in done
+    assert not lk.locked()
+    with pytest.raises(dlock.LockLost):
+        lk.release()
+    entry = LogEntry.objects.get(object_id=str(row.pk))
+    assert "Force-released" in entry.get_change_message()
+    assert LockRow.objects.get(name="lock:bystander").token  # untouched
+    # released: nothing left to force
+    detail = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert url not in detail
+
+
+def test_force_release_from_the_lock_page_needs_the_permission():
+    row = make_row(name="lock:guarded")
+    url = reverse("admin:django_dlock_lock_force_release", args=[row.pk])
+    viewer = client_for(make_user("viewer", "view_lock"))
+    detail = viewer.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert "lock:guarded" in detail and url not in detail
+    assert viewer.get(url).status_code == 403
+    operator = client_for(make_user("operator", "view_lock", "force_release_lock"))
+    assert url in operator.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert operator.get(url).status_code == 200
+    assert operator.post(url).status_code == 405  # the confirmation posts to the list
+    row.refresh_from_db()
+    assert row.token  # still held
