@@ -491,12 +491,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         postgresql = override.is_postgresql(alias)
         locks = override.advisory_locks(alias) if postgresql else []
         find = request.GET.get("name", "").strip()
-        find_key = override.advisory_key_of(find) if find else None
+        find_key = override.advisory_key_of_name(find) if find else None
+        names = (
+            override.advisory_names(alias, {lk.key for lk in locks}, [find] if find else [])
+            if locks
+            else {}
+        )
         rows = [
             {
                 "lock": lk,
+                "name": names.get(lk.key, ""),
                 "badge": badge(lk.state),
-                "match": find_key is not None and lk.key == (find_key,),
+                "match": find_key is not None and lk.key == find_key,
             }
             for lk in locks
         ]
@@ -508,7 +514,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             vendor=connections[alias].vendor,
             alias=alias,
             find=find,
-            find_key=find_key,
+            find_key=(
+                None
+                if find_key is None
+                else str(find_key[0])
+                if len(find_key) == 1
+                else f"({find_key[0]}, {find_key[1]})"
+            ),
             can_terminate=request.user.is_superuser,
             held=sum(1 for lk in locks if lk.granted),
             waiting=sum(1 for lk in locks if not lk.granted),

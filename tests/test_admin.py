@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import re
 import threading
@@ -17,12 +18,13 @@ from django.utils import timezone
 
 import django_dlock as dlock
 from django_dlock import cleanup, signals
-from django_dlock.keys import hash64
+from django_dlock.keys import hash32, hash64, make_key
 from django_dlock.models import Lock as LockRow
 from django_dlock.models import Waiter
-from django_dlock.operations import advisory_key
+from django_dlock.operations import advisory_key, advisory_names
 
 from .factories import LockFactory as _LockFactory
+from .helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -279,7 +281,9 @@ def test_advisory_page_lists_held_locks(admin_client_, advisory_holder):
     assert "(7, -42)" in page
     assert "dlock-test-holder" in page and str(pid) in page
     assert "dlock-state-held" in page
-    assert 'class="selected"' in page  # the searched name is highlighted
+    # the searched name is highlighted
+    [selected] = [row for row in advisory_rows(page) if "selected" in row.split(">", 1)[0]]
+    assert str(hash64("lock:nightly")) in selected
     assert "Terminate holder" in page
 
 
@@ -287,6 +291,13 @@ def test_advisory_key_reconstruction():
     assert advisory_key(0xFFFFFFFF, 0xFFFFFFFE, 1) == ("int8", (-2,))
     assert advisory_key(0, 5, 1) == ("int8", (5,))
     assert advisory_key(7, 0xFFFFFFD6, 2) == ("int4 pair", (7, -42))
+
+
+def advisory_rows(page: str) -> list[str]:
+    """The rows of the advisory locks table, as HTML."""
+    table = page[page.index('id="dlock-advisory-list"') :]
+    body = table[table.index("<tbody>") : table.index("</tbody>")]
+    return re.findall(r"<tr[ >].*?</tr>", body, re.S)
 
 
 def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
@@ -311,6 +322,13 @@ def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
                 break
         assert "dlock-state-waiting" in page
         assert "1 waiting" in page
+        # Terminate is offered on the rows that hold a lock, never on a waiting one
+        rows = advisory_rows(page)
+        waiting = [row for row in rows if "dlock-state-waiting" in row]
+        held = [row for row in rows if "dlock-state-held" in row]
+        assert len(waiting) == 1 and len(held) == 2
+        assert "Terminate holder" not in waiting[0]
+        assert all("Terminate holder" in row for row in held)
     finally:
         holder, _ = advisory_holder
         holder.close()  # frees the lock: the waiter gets it and leaves
@@ -479,3 +497,85 @@ def test_force_release_from_the_lock_page_needs_the_permission():
     assert operator.post(url).status_code == 405  # the confirmation posts to the list
     row.refresh_from_db()
     assert row.token  # still held
+
+
+def test_advisory_names_from_known_names_and_the_tables():
+    pair_names = ["lock('order', 42)", 'task("it\'s", -7)', "leader(7, 8)", "lock('a, b', 'c')"]
+    odd = ["lock:unrelated", "lock(9999999999, 1)", "lock('\\x00', 1)", "task(", "plain"]
+    for name in ["leader:scheduler", "task:nightly-report", *pair_names, *odd]:
+        make_row(name=name)
+    now = db_now()
+    Waiter.objects.create(
+        name="lock:queued", token="w" * 32, enqueued_at=now, expire_at=now + dt.timedelta(hours=1)
+    )
+    keys = {name: make_key_of(name) for name in pair_names}
+    wanted = {
+        (hash64("leader:scheduler"),): "leader:scheduler",
+        (hash64("task:nightly-report"),): "task:nightly-report",
+        (hash64("lock:queued"),): "lock:queued",  # a waiter's key
+        (hash64("leader:runworker"),): "leader:runworker",  # known without a row
+        (hash64("lock:typed"),): "lock:typed",  # a name given by the caller
+        **{key: name for name, key in keys.items()},
+    }
+    unknown = [(hash64("lock:nobody-knows"),), (1, 2)]
+    found = advisory_names("default", [*wanted, *unknown], names=["typed"])
+    assert found == wanted
+    assert keys["lock('order', 42)"] == (hash32("order"), 42)
+    assert keys['task("it\'s", -7)'] == (hash32("it's"), -7)
+    assert keys["leader(7, 8)"] == (7, 8)
+
+
+def make_key_of(name: str) -> tuple[int, ...]:
+    """The advisory key of a stored two-part name, built by the library's own key code."""
+    namespace, _, parts = name.partition("(")
+    return make_key(ast.literal_eval("(" + parts), namespace).advisory
+
+
+def test_advisory_page_names_the_keys_it_can(admin_client_, advisory_holder):
+    holder, _ = advisory_holder  # holds lock:nightly and (7, -42)
+    make_row(name="lock:nightly", expired=True)  # a name in the lock table
+    with holder.cursor() as cur:
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64("leader:runworker")])
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nobody-recorded-this")])
+    url = reverse("admin:django_dlock_lock_advisory")
+    rows = advisory_rows(admin_client_.get(url).content.decode())
+    by_key = {
+        re.search(r'<code class="dlock-key">([^<]*)</code>', row).group(1): row for row in rows
+    }
+    assert set(by_key) == {
+        str(hash64("leader:runworker")),
+        str(hash64("lock:nightly")),
+        str(hash64("lock:nobody-recorded-this")),
+        "(7, -42)",
+    }
+    assert (
+        '<div class="dlock-name">leader:runworker</div>' in by_key[str(hash64("leader:runworker"))]
+    )
+    assert '<div class="dlock-name">lock:nightly</div>' in by_key[str(hash64("lock:nightly"))]
+    assert "name unknown" in by_key[str(hash64("lock:nobody-recorded-this"))]
+    assert "name unknown" in by_key["(7, -42)"]
+
+    # a name typed in "Find a lock name" names and highlights its rows, two-part keys too
+    rows = advisory_rows(admin_client_.get(url, {"name": "lock(7, -42)"}).content.decode())
+    [selected] = [row for row in rows if "selected" in row.split(">", 1)[0]]
+    assert "(7, -42)" in selected and '<div class="dlock-name">lock(7, -42)</div>' in selected
+    page = admin_client_.get(url, {"name": "nobody-recorded-this"}).content.decode()
+    [selected] = [row for row in advisory_rows(page) if "selected" in row.split(">", 1)[0]]
+    assert '<div class="dlock-name">lock:nobody-recorded-this</div>' in selected
+
+
+def test_advisory_page_names_a_running_advisory_election(admin_client_):
+    from django_dlock import sessions
+
+    made = dlock.LeaderElection(
+        "nightly-jobs", strategy="advisory", lease=10.0, renew_deadline=5.0, retry=0.4
+    )
+    try:
+        with made:
+            wait_until(lambda: made.is_leader)
+            page = admin_client_.get(reverse("admin:django_dlock_lock_advisory")).content.decode()
+    finally:
+        sessions.close_all()
+    [row] = [row for row in advisory_rows(page) if str(hash64("leader:nightly-jobs")) in row]
+    assert '<div class="dlock-name">leader:nightly-jobs</div>' in row
+    assert "dlock-state-held" in row
