@@ -10,9 +10,14 @@
   ``django_dlock.delete_lock``) deletes, after a confirmation page, the
   selected rows whose lease has ended on the database clock, with the
   batches of :mod:`django_dlock.cleanup` (never a held lease).
+* A lock's page shows its times to the second with the time zone, and
+  "Force release…" opens the same confirmation as the list action, whose
+  form runs that action.
 * On PostgreSQL, "Advisory locks" lists the advisory locks held or awaited
-  in the database; a superuser can end a holder's session after a
-  confirmation (``pg_terminate_backend``).
+  in the database, with their lock names where they can be known
+  (:func:`django_dlock.operations.advisory_names`); a superuser can end the
+  session of a holder (on a row that holds a lock) after a confirmation
+  (``pg_terminate_backend``).
 
 Locks cannot be added or edited here, and full tokens are never shown: the
 list shows a short prefix, and no URL lookup may filter on the token

@@ -335,3 +335,35 @@ def test_advisory_page_fits_1280_px_and_highlights_the_found_lock(
         for other in seen["others"]:
             assert other["row"] != selected["row"] and other["cell"] != selected["cell"], seen
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_force_release_from_the_lock_page_in_a_real_browser(live_server):
+    require_browser()
+    get_user_model().objects.create_superuser("root", "root@example.com", "browser-pw")
+    lk = dlock.lock("invoice:2048", ttl=600)
+    lk.acquire()
+    row = LockRow.objects.get(name="lock:invoice:2048")
+
+    def steps(page: Any) -> dict[str, Any]:
+        log_in(page, live_server.url, "root", "browser-pw")
+        page.goto(f"{live_server.url}{CHANGELIST}{row.pk}/change/")
+        seen: dict[str, Any] = {"detail": page.locator("#content").inner_text()}
+        page.click("#dlock-force-release")
+        page.wait_for_selector("#dlock-confirm")
+        seen["confirm_title"] = page.locator("#content h1").inner_text()
+        seen["confirm_rows"] = page.locator("#dlock-force-release-list tbody tr").all_inner_texts()
+        page.click("#dlock-confirm")
+        page.wait_for_selector("ul.messagelist")
+        seen["message"] = page.locator("ul.messagelist").inner_text()
+        seen["url"] = page.url
+        return seen
+
+    seen = in_browser(steps, width=1280, height=900, sidebar=True)
+    assert "Expires at" in seen["detail"] and "UTC" in seen["detail"]
+    assert seen["confirm_title"] == "Force-release locks: are you sure?"
+    assert len(seen["confirm_rows"]) == 1 and "lock:invoice:2048" in seen["confirm_rows"][0]
+    assert "Force-released 1 lock: lock:invoice:2048" in seen["message"]
+    assert seen["url"].endswith(CHANGELIST)
+    assert not lk.locked()
+    with pytest.raises(dlock.LockLost):
+        lk.release()
