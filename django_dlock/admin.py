@@ -6,11 +6,18 @@
   ``django_dlock.force_release_lock``) ends the selected leases after a
   confirmation page: one ``LogEntry`` per lock, the ``lock_force_released``
   signal, and on PostgreSQL a ``NOTIFY`` that wakes the waiters.
-* "Delete all expired locks" (permission ``django_dlock.delete_lock``) runs
-  the batched cleanup of :mod:`django_dlock.cleanup`.
+* "Delete selected expired or released locks" (permission
+  ``django_dlock.delete_lock``) deletes, after a confirmation page, the
+  selected rows whose lease has ended on the database clock, with the
+  batches of :mod:`django_dlock.cleanup` (never a held lease).
+* A lock's page shows its times to the second with the time zone, and
+  "Force release…" opens the same confirmation as the list action, whose
+  form runs that action.
 * On PostgreSQL, "Advisory locks" lists the advisory locks held or awaited
-  in the database; a superuser can end a holder's session after a
-  confirmation (``pg_terminate_backend``).
+  in the database, with their lock names where they can be known
+  (:func:`django_dlock.operations.advisory_names`); a superuser can end the
+  session of a holder (on a row that holds a lock) after a confirmation
+  (``pg_terminate_backend``).
 
 Locks cannot be added or edited here, and full tokens are never shown: the
 list shows a short prefix, and no URL lookup may filter on the token
@@ -25,10 +32,12 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.db import connections
 from django.db.models import Q, QuerySet
 from django.http import (
+    Http404,
     HttpRequest,
     HttpResponse,
     HttpResponseNotAllowed,
@@ -43,7 +52,7 @@ from django.utils.safestring import SafeString
 from django_dlock import cleanup, dbclock
 from django_dlock import operations as override
 from django_dlock.dbclock import DbNow
-from django_dlock.models import Lock
+from django_dlock.models import Lock, Waiter
 from django_dlock.strategies import queue
 
 #: badge colours: (text, background)
@@ -89,6 +98,17 @@ def compact(value: dt.datetime | None) -> str:
     if timezone.is_aware(value):
         value = timezone.localtime(value)
     return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def exact(value: dt.datetime | None) -> str:
+    """``2024-05-01 14:03:07 UTC``: to the second, with the time zone (``—`` for none)."""
+    if value is None:
+        return "—"
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+        zone = value.strftime("%Z") or value.strftime("UTC%z")
+        return f"{compact(value)} {zone}"
+    return compact(value)
 
 
 #: fields no admin URL may filter, search or sort on
@@ -143,8 +163,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "owner",
         "fence",
         "token_start",
-        "acquired_at",
-        "expire_at",
+        "acquired_at_exact",
+        "expire_at_exact",
         "time_left",
         "waiters",
     )
@@ -160,7 +180,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Deleting a held row by hand would lose its fencing history; free
-        # rows go through "Delete all expired locks" (django_dlock.cleanup).
+        # rows go through "Delete selected expired or released locks"
+        # (django_dlock.cleanup).
         # Without it Django also drops its "delete selected" action.
         return False
 
@@ -205,9 +226,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         day, _, clock = compact(obj.acquired_at).partition(" ")
         return format_html('<span style="white-space:nowrap">{}<br>{}</span>', day, clock)
 
-    @admin.display(description="expires", ordering="expire_at")
-    def expires(self, obj: Lock) -> str:
-        return compact(obj.expire_at)
+    @admin.display(description=Lock._meta.get_field("acquired_at").verbose_name)
+    def acquired_at_exact(self, obj: Lock) -> str:
+        return exact(obj.acquired_at)
+
+    @admin.display(description=Lock._meta.get_field("expire_at").verbose_name)
+    def expire_at_exact(self, obj: Lock) -> str:
+        return exact(obj.expire_at)
 
     @admin.display(description="token")
     def token_start(self, obj: Lock) -> str:
@@ -224,7 +249,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
             (
-                (position, owner or "—", compact(since))
+                (position, owner or "—", exact(since))
                 for position, (_name, _ticket, owner, since, _live) in enumerate(live, 1)
             ),
         )
@@ -297,7 +322,14 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             )
         return None
 
-    def _confirm_force_release(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+    def _confirm_force_release(
+        self, request: HttpRequest, queryset: QuerySet[Lock], obj: Lock | None = None
+    ) -> Any:
+        """The confirmation page; its form posts the action to the lock list.
+
+        From a lock's own page (``obj``) it is the same page and the same
+        action: the form's target is the list, whose action runs it.
+        """
         opts = self.model._meta
         rows = [
             {
@@ -312,6 +344,8 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             **self.admin_site.each_context(request),
             "title": "Force-release locks: are you sure?",
             "opts": opts,
+            "original": obj,
+            "form_url": "" if obj is None else self._changelist_url(),
             "rows": rows,
             "queryset": queryset,
             "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
@@ -322,21 +356,117 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             request, "admin/django_dlock/lock/force_release_confirmation.html", context
         )
 
-    @admin.action(description="Delete all expired locks", permissions=["delete_expired"])
-    def delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> None:
-        deleted = cleanup.delete_free(queryset.db)
-        self.message_user(
-            request,
-            f"Deleted {deleted} expired or released lock row{'s' if deleted != 1 else ''} "
-            "(all free rows, not only the selected ones; held locks are never deleted).",
-            messages.SUCCESS,
+    @admin.action(
+        description="Delete selected expired or released locks", permissions=["delete_expired"]
+    )
+    def delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+        """Delete the selected rows whose lease has ended, after a confirmation page.
+
+        Which rows have ended is judged by the database when it deletes
+        (``expire_at`` against its own now): a lease held or taken again by
+        then is kept, and so is a free row whose key has live waiters.
+        """
+        if request.POST.get("post") != "yes":
+            return self._confirm_delete_expired(request, queryset)
+        before = dict(queryset.values_list("pk", "name"))
+        deleted = cleanup.delete_free_rows(queryset.db, list(before))
+        left = set(
+            Lock.objects.using(queryset.db).filter(pk__in=list(before)).values_list("pk", flat=True)
         )
+        gone = sorted(name for pk, name in before.items() if pk not in left)
+        if deleted:
+            self.message_user(
+                request,
+                f"Deleted {deleted} expired or released lock{'s' if deleted != 1 else ''}: "
+                f"{', '.join(gone)}.",
+                messages.SUCCESS,
+            )
+        kept = len(left)
+        if kept:
+            self.message_user(
+                request,
+                f"{kept} selected lock{'s were' if kept != 1 else ' was'} kept: "
+                "held, or waited for.",
+                messages.WARNING,
+            )
+        return None
+
+    def _confirm_delete_expired(self, request: HttpRequest, queryset: QuerySet[Lock]) -> Any:
+        objects = list(queryset)
+        waited = set(
+            Waiter.objects.using(queryset.db)
+            .filter(name__in=[obj.name for obj in objects], expire_at__gt=DbNow())
+            .values_list("name", flat=True)
+        )
+        doomed, kept = [], []
+        for obj in objects:
+            row = {"obj": obj, "state": self.state(obj), "time_left": self.time_left(obj)}
+            if obj.db_held:  # type: ignore[attr-defined]
+                kept.append({**row, "why": "held"})
+            elif obj.name in waited:
+                kept.append({**row, "why": "waiters queued for it"})
+            else:
+                doomed.append(row)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Delete expired or released locks: are you sure?",
+            "opts": self.model._meta,
+            "doomed": doomed,
+            "kept": kept,
+            "queryset": queryset,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "media": self.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(
+            request, "admin/django_dlock/lock/delete_expired_confirmation.html", context
+        )
+
+    # -- a lock's own page -----------------------------------------------------------
+
+    def _changelist_url(self) -> str:
+        info = (self.admin_site.name, self.model._meta.app_label, self.model._meta.model_name)
+        return reverse("{}:{}_{}_changelist".format(*info))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """The read-only lock page, with "Force release…" while a token is set."""
+        context = dict(extra_context or {})
+        obj = self.get_object(request, unquote(object_id))
+        if obj is not None and obj.token and self.has_force_release_permission(request):
+            info = (self.admin_site.name, self.model._meta.app_label, self.model._meta.model_name)
+            context["dlock_force_release_url"] = reverse(
+                "{}:{}_{}_force_release".format(*info), args=[quote(obj.pk)]
+            )
+        return super().change_view(request, object_id, form_url, extra_context=context)
+
+    def force_release_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """A lock's "Force release…": the list action's confirmation page for this lock."""
+        if request.method != "GET":
+            return HttpResponseNotAllowed(["GET"])
+        if not self.has_force_release_permission(request):
+            raise PermissionDenied
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None:
+            raise Http404(f"No lock with the primary key {object_id!r}.")
+        queryset = self.get_queryset(request).filter(pk=obj.pk)
+        return self._confirm_force_release(request, queryset, obj)  # type: ignore[no-any-return]
 
     # -- advisory locks (PostgreSQL) ---------------------------------------------
 
     def get_urls(self) -> list[URLPattern]:
         info = (self.model._meta.app_label, self.model._meta.model_name)
         urls = [
+            path(
+                "<path:object_id>/force-release/",
+                self.admin_site.admin_view(self.force_release_view),
+                name="{}_{}_force_release".format(*info),
+            ),
             path(
                 "advisory/",
                 self.admin_site.admin_view(self.advisory_view),
@@ -366,12 +496,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         postgresql = override.is_postgresql(alias)
         locks = override.advisory_locks(alias) if postgresql else []
         find = request.GET.get("name", "").strip()
-        find_key = override.advisory_key_of(find) if find else None
+        find_key = override.advisory_key_of_name(find) if find else None
+        names = (
+            override.advisory_names(alias, {lk.key for lk in locks}, [find] if find else [])
+            if locks
+            else {}
+        )
         rows = [
             {
                 "lock": lk,
+                "name": names.get(lk.key, ""),
                 "badge": badge(lk.state),
-                "match": find_key is not None and lk.key == (find_key,),
+                "match": find_key is not None and lk.key == find_key,
             }
             for lk in locks
         ]
@@ -383,7 +519,13 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             vendor=connections[alias].vendor,
             alias=alias,
             find=find,
-            find_key=find_key,
+            find_key=(
+                None
+                if find_key is None
+                else str(find_key[0])
+                if len(find_key) == 1
+                else f"({find_key[0]}, {find_key[1]})"
+            ),
             can_terminate=request.user.is_superuser,
             held=sum(1 for lk in locks if lk.granted),
             waiting=sum(1 for lk in locks if not lk.granted),

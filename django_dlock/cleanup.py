@@ -29,7 +29,7 @@ after the rows that were free at its start, instead of chasing new ones.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from django.db import OperationalError, connections, transaction
@@ -48,11 +48,12 @@ _NO_WAITERS = (
 
 # One batch: delete by ctid, re-checking expiry against the run's cutoff
 # (a time on the database clock, in the past: such a lease has ended).
+# {{only}}: nothing, or "AND id = ANY(%s)" for a chosen set of rows.
 _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}
 WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {TABLE}
-        WHERE expire_at <= %s AND {_NO_WAITERS.format(now="statement_timestamp()")}
+        WHERE expire_at <= %s AND {_NO_WAITERS.format(now="statement_timestamp()")}{{only}}
         LIMIT %s))
   AND expire_at <= %s
 """
@@ -112,13 +113,15 @@ def delete_batch(
     *,
     fences_ahead: bool | None = None,
     before: Any = None,
+    ids: Sequence[int] | None = None,
 ) -> int:
     """Delete up to ``batch_size`` rows free for at least ``older_than`` seconds.
 
     ``fences_ahead`` (PostgreSQL): whether rows may carry fencing numbers
     above the fence sequence, so that the batch must raise the sequence over
     what it deletes; ``None`` finds out (one query). ``before``: a
-    :func:`cutoff` to use instead of now minus ``older_than``. Returns the
+    :func:`cutoff` to use instead of now minus ``older_than``. ``ids``: only
+    rows with these primary keys (:func:`delete_free_rows`). Returns the
     number of rows deleted (0 when nothing is left).
     """
     if batch_size < 1:
@@ -131,21 +134,24 @@ def delete_batch(
     if connection.vendor == "postgresql":
         if fences_ahead is None:
             fences_ahead = _pg_fences_ahead(using)
-        params = [before, batch_size, before]
+        only = "" if ids is None else " AND id = ANY(%s)"
+        params = [before, *([] if ids is None else [list(ids)]), batch_size, before]
         with connection.cursor() as cur:
             if not fences_ahead:
-                cur.execute(_PG_PLAIN_BATCH, params)
+                cur.execute(_PG_PLAIN_BATCH.format(only=only), params)
                 return int(cur.rowcount)
-            cur.execute(_PG_BATCH, params)
+            cur.execute(_PG_BATCH.format(only=only), params)
             row = cur.fetchone()
             return int(row[0]) if row else 0
     if connection.vendor == "sqlite" and not connection.in_atomic_block:
-        return _sqlite_batch(using, batch_size, before)
+        return _sqlite_batch(using, batch_size, before, ids)
     with transaction.atomic(using=using), connection.cursor() as cur:
-        return _generic_batch(cur, connection.vendor, batch_size, before)
+        return _generic_batch(cur, connection.vendor, batch_size, before, ids)
 
 
-def _generic_batch(cur: Any, vendor: str, batch_size: int, before: Any) -> int:
+def _generic_batch(
+    cur: Any, vendor: str, batch_size: int, before: Any, ids: Sequence[int] | None = None
+) -> int:
     # On MySQL the floor row lock orders us with acquirers that insert new
     # rows (they read the floor with LOCK IN SHARE MODE). On SQLite the
     # transaction holds the database's write lock from its start.
@@ -153,22 +159,27 @@ def _generic_batch(cur: Any, vendor: str, batch_size: int, before: Any) -> int:
     cur.execute(f"SELECT value FROM {FLOOR} WHERE id = 1{lock_floor}")
     row = cur.fetchone()
     floor = int(row[0]) if row else None
+    only, chosen = "", []
+    if ids is not None:
+        if not ids:
+            return 0
+        only, chosen = f" AND id IN ({', '.join(['%s'] * len(ids))})", list(ids)
     cur.execute(
         f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s "
-        f"AND {_NO_WAITERS.format(now=dbclock._NOW[vendor])} ORDER BY id LIMIT %s",
-        [before, batch_size],
+        f"AND {_NO_WAITERS.format(now=dbclock._NOW[vendor])}{only} ORDER BY id LIMIT %s",
+        [before, *chosen, batch_size],
     )
     rows = cur.fetchall()
     if not rows:
         return 0
-    ids = [r[0] for r in rows]
+    found = [r[0] for r in rows]
     highest = max(int(r[1]) for r in rows)
     if floor is None:
         cur.execute(f"INSERT INTO {FLOOR} (id, value) VALUES (1, %s)", [highest])
     elif highest > floor:
         cur.execute(f"UPDATE {FLOOR} SET value = %s WHERE id = 1", [highest])
-    marks = ", ".join(["%s"] * len(ids))
-    cur.execute(f"DELETE FROM {TABLE} WHERE id IN ({marks}) AND expire_at <= %s", [*ids, before])
+    marks = ", ".join(["%s"] * len(found))
+    cur.execute(f"DELETE FROM {TABLE} WHERE id IN ({marks}) AND expire_at <= %s", [*found, before])
     return int(cur.rowcount)
 
 
@@ -179,7 +190,9 @@ def _sqlite_busy_timeout(using: str) -> float:
     return float(value) if isinstance(value, (int, float)) else 5.0
 
 
-def _sqlite_batch(using: str, batch_size: int, before: Any) -> int:
+def _sqlite_batch(
+    using: str, batch_size: int, before: Any, ids: Sequence[int] | None = None
+) -> int:
     """One batch in a ``BEGIN IMMEDIATE`` transaction, tried again while the database is busy."""
     connection = connections[using]
     deadline = time.monotonic() + _sqlite_busy_timeout(using)
@@ -195,7 +208,7 @@ def _sqlite_batch(using: str, batch_size: int, before: Any) -> int:
                 pause = min(pause * 2, 0.5)
                 continue
             try:
-                deleted = _generic_batch(cur, "sqlite", batch_size, before)
+                deleted = _generic_batch(cur, "sqlite", batch_size, before, ids)
             except BaseException:
                 cur.execute("ROLLBACK")
                 raise
@@ -230,6 +243,29 @@ def delete_free(
         total += deleted
         if progress is not None:
             progress(deleted, total)
+
+
+def delete_free_rows(using: str, ids: Iterable[int], *, batch_size: int = 10_000) -> int:
+    """Delete the rows among ``ids`` (primary keys) whose lease has ended.
+
+    The same batches as :func:`delete_free`, on the chosen rows only: a row
+    is deleted when its ``expire_at`` is not after the database's now (read
+    once from the database clock, never this server's), so a held lease is
+    never deleted, nor a free row whose key has live waiters; the fencing
+    history is kept. Returns the number of rows deleted.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    chosen = sorted(set(ids))
+    if not chosen:
+        return 0
+    fences_ahead = _pg_fences_ahead(using) if connections[using].vendor == "postgresql" else None
+    before = cutoff(using)
+    total = 0
+    for start in range(0, len(chosen), batch_size):
+        part = chosen[start : start + batch_size]
+        total += delete_batch(using, len(part), fences_ahead=fences_ahead, before=before, ids=part)
+    return total
 
 
 # PostgreSQL: delete the tickets that ran out and wake the new head of each

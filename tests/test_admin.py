@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import datetime as dt
 import re
 import threading
 
@@ -12,14 +14,17 @@ from django.contrib.auth.models import Permission
 from django.db import DatabaseError, connections
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 import django_dlock as dlock
-from django_dlock import signals
-from django_dlock.keys import hash64
+from django_dlock import cleanup, signals
+from django_dlock.keys import hash32, hash64, make_key
 from django_dlock.models import Lock as LockRow
-from django_dlock.operations import advisory_key
+from django_dlock.models import Waiter
+from django_dlock.operations import advisory_key, advisory_names
 
 from .factories import LockFactory as _LockFactory
+from .helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -167,12 +172,91 @@ def test_force_release_needs_the_permission():
     assert row.token == ""
 
 
-def test_delete_expired_uses_the_batched_cleanup(admin_client_):
-    held = make_row(name="lock:held")
-    [make_row(expired=True) for _ in range(3)]
-    done = action(admin_client_, "delete_expired", [held], post="yes")
-    assert "Deleted 3 expired or released lock rows" in done.content.decode()
-    assert list(LockRow.objects.values_list("name", flat=True)) == ["lock:held"]
+def db_now():
+    """The database's clock (the admin's judge of every lease), as an aware datetime."""
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT statement_timestamp()")
+        return cur.fetchone()[0]
+
+
+def names_left() -> set[str]:
+    return set(LockRow.objects.values_list("name", flat=True))
+
+
+@pytest.fixture
+def ended_and_held():
+    """A held lease, one that ran out, one released, and one that ran out but is not selected."""
+    return {
+        "held": make_row(name="lock:held"),
+        "expired": make_row(name="lock:ran-out", expired=True, token="e" * 32),
+        "released": make_row(name="lock:released", expired=True),
+        "other": make_row(name="lock:not-selected", expired=True, token="a" * 32),
+    }
+
+
+def test_delete_expired_asks_for_confirmation_first(admin_client_, ended_and_held):
+    rows = ended_and_held
+    selected = [rows["held"], rows["expired"], rows["released"]]
+    confirm = action(admin_client_, "delete_expired", selected)
+    assert confirm.status_code == 200
+    page = confirm.content.decode()
+    assert "Delete expired or released locks: are you sure?" in page
+    doomed = page[page.index('id="dlock-delete-list"') : page.index('id="dlock-keep-list"')]
+    kept = page[page.index('id="dlock-keep-list"') :]
+    assert "lock:ran-out" in doomed and "lock:released" in doomed
+    assert "lock:held" not in doomed and "lock:held" in kept
+    assert "lock:not-selected" not in page
+    assert 'value="Yes, delete 2 rows"' in page
+    assert names_left() == {row.name for row in rows.values()}  # nothing deleted yet
+
+
+def test_delete_expired_deletes_the_selected_ended_rows_only(admin_client_, ended_and_held):
+    rows = ended_and_held
+    selected = [rows["held"], rows["expired"], rows["released"]]
+    done = action(admin_client_, "delete_expired", selected, post="yes")
+    page = done.content.decode()
+    assert "Deleted 2 expired or released locks: lock:ran-out, lock:released." in page
+    assert "1 selected lock was kept" in page
+    # the selection is respected, the held row kept
+    assert names_left() == {"lock:held", "lock:not-selected"}
+    assert LockRow.objects.get(name="lock:held").token == rows["held"].token
+
+
+def test_delete_expired_keeps_a_free_row_that_waiters_are_queued_for(admin_client_):
+    row = make_row(name="lock:queued", expired=True)
+    now = db_now()
+    Waiter.objects.create(
+        name="lock:queued",
+        token="w" * 32,
+        owner="waiter",
+        enqueued_at=now,
+        expire_at=now + dt.timedelta(hours=1),
+    )
+    page = action(admin_client_, "delete_expired", [row]).content.decode()
+    assert "waiters queued for it" in page and "dlock-confirm" not in page
+    action(admin_client_, "delete_expired", [row], post="yes")
+    assert names_left() == {"lock:queued"}
+
+
+def test_delete_expired_judges_the_lease_on_the_database_clock(admin_client_, monkeypatch):
+    now = db_now()
+    ahead = make_row(name="lock:ends-in-an-hour", expire_at=now + dt.timedelta(hours=1))
+    behind = make_row(name="lock:ended-an-hour-ago", expire_at=now - dt.timedelta(hours=1))
+    real_now = timezone.now
+
+    # This web server's clock two hours fast: the lease it thinks has ended is held.
+    monkeypatch.setattr(timezone, "now", lambda: real_now() + dt.timedelta(hours=2))
+    page = action(admin_client_, "delete_expired", [ahead]).content.decode()
+    assert "dlock-confirm" not in page
+    action(admin_client_, "delete_expired", [ahead], post="yes")
+    assert "lock:ends-in-an-hour" in names_left()
+
+    # Two hours slow: the lease it thinks is held has ended.
+    monkeypatch.setattr(timezone, "now", lambda: real_now() - dt.timedelta(hours=2))
+    page = action(admin_client_, "delete_expired", [behind]).content.decode()
+    assert 'value="Yes, delete 1 row"' in page
+    action(admin_client_, "delete_expired", [behind], post="yes")
+    assert names_left() == {"lock:ends-in-an-hour"}
 
 
 @pytest.fixture
@@ -197,7 +281,9 @@ def test_advisory_page_lists_held_locks(admin_client_, advisory_holder):
     assert "(7, -42)" in page
     assert "dlock-test-holder" in page and str(pid) in page
     assert "dlock-state-held" in page
-    assert 'class="selected"' in page  # the searched name is highlighted
+    # the searched name is highlighted
+    [selected] = [row for row in advisory_rows(page) if "selected" in row.split(">", 1)[0]]
+    assert str(hash64("lock:nightly")) in selected
     assert "Terminate holder" in page
 
 
@@ -205,6 +291,13 @@ def test_advisory_key_reconstruction():
     assert advisory_key(0xFFFFFFFF, 0xFFFFFFFE, 1) == ("int8", (-2,))
     assert advisory_key(0, 5, 1) == ("int8", (5,))
     assert advisory_key(7, 0xFFFFFFD6, 2) == ("int4 pair", (7, -42))
+
+
+def advisory_rows(page: str) -> list[str]:
+    """The rows of the advisory locks table, as HTML."""
+    table = page[page.index('id="dlock-advisory-list"') :]
+    body = table[table.index("<tbody>") : table.index("</tbody>")]
+    return re.findall(r"<tr[ >].*?</tr>", body, re.S)
 
 
 def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
@@ -229,6 +322,13 @@ def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
                 break
         assert "dlock-state-waiting" in page
         assert "1 waiting" in page
+        # Terminate is offered on the rows that hold a lock, never on a waiting one
+        rows = advisory_rows(page)
+        waiting = [row for row in rows if "dlock-state-waiting" in row]
+        held = [row for row in rows if "dlock-state-held" in row]
+        assert len(waiting) == 1 and len(held) == 2
+        assert "Terminate holder" not in waiting[0]
+        assert all("Terminate holder" in row for row in held)
     finally:
         holder, _ = advisory_holder
         holder.close()  # frees the lock: the waiter gets it and leaves
@@ -264,3 +364,218 @@ def test_terminate_needs_post_with_csrf(advisory_holder):
     url = reverse("admin:django_dlock_lock_terminate", args=[pid])
     assert client.post(url, {"post": "yes"}).status_code == 403  # no CSRF token
     assert client.put(url).status_code in (403, 405)
+
+
+def breadcrumbs(page: str) -> list[str]:
+    """The texts of the breadcrumb trail, in order."""
+    found = re.search(r'<div class="breadcrumbs">(.*?)</div>', page, re.S)
+    assert found, "no breadcrumbs"
+    text = re.sub(r"<[^>]+>", "", found.group(1)).replace("&rsaquo;", "›")
+    return [part.strip() for part in text.split("›")]
+
+
+def test_terminate_confirmation_breadcrumbs_name_the_app(admin_client_, advisory_holder):
+    _, pid = advisory_holder
+    page = admin_client_.get(reverse("admin:django_dlock_lock_terminate", args=[pid]))
+    html = page.content.decode()
+    assert breadcrumbs(html) == [
+        "Home",
+        "Distributed locks",
+        "Locks",
+        "Advisory locks",
+        f"Terminate {pid}",
+    ]
+    app_list = reverse("admin:app_list", kwargs={"app_label": "django_dlock"})
+    assert f'<a href="{app_list}">Distributed locks</a>' in html
+
+
+def test_detail_page_shows_times_to_the_second_with_the_time_zone(admin_client_, settings):
+    utc = dt.timezone.utc
+    row = make_row(
+        name="lock:timed",
+        acquired_at=dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=utc),
+        expire_at=dt.datetime(2030, 1, 2, 3, 9, 7, tzinfo=utc),
+    )
+    page = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert "2030-01-02 03:04:05 UTC" in page
+    assert "2030-01-02 03:09:07 UTC" in page
+    assert re.search(r"<label>\s*Expires at:\s*</label>", page), page
+    assert "Expire at" not in page
+    assert re.search(r"<label>\s*Acquired at:\s*</label>", page)
+
+    settings.TIME_ZONE = "Europe/Paris"  # the admin's time zone, named on the page
+    page = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert "2030-01-02 04:04:05 CET" in page
+    assert "2030-01-02 04:09:07 CET" in page
+
+
+@pytest.mark.django_db(transaction=True, databases="__all__")
+def test_delete_free_rows_deletes_the_chosen_ended_rows_and_keeps_the_fences(alias):
+    def row(name: str, **fields) -> LockRow:
+        made: LockRow = _LockFactory.build(name=name, **fields)  # type: ignore[assignment]
+        made.save(using=alias)
+        return made
+
+    held = row("lock:held")
+    ran_out = row("lock:ran-out", expired=True, token="e" * 32, fence=10**12)
+    released = row("lock:released", expired=True)
+    row("lock:not-chosen", expired=True)
+    assert cleanup.delete_free_rows(alias, [held.pk, ran_out.pk, released.pk]) == 2
+    left = set(LockRow.objects.using(alias).values_list("name", flat=True))
+    assert left == {"lock:held", "lock:not-chosen"}
+    assert cleanup.delete_free_rows(alias, []) == 0
+    lk = dlock.lock("ran-out", using=alias, ttl=60)
+    assert lk.acquire(timeout=5)
+    try:
+        assert (lk.fence or 0) > 10**12  # the fencing history survives the deletion
+    finally:
+        lk.release()
+
+
+def form_of(page: str, form_id: str) -> tuple[str, dict[str, list[str]]]:
+    """The target and the fields (but the CSRF token) of the form ``form_id`` of a page."""
+    found = re.search(rf'<form [^>]*id="{form_id}"[^>]*>(.*?)</form>', page, re.S)
+    assert found, f"no form {form_id}"
+    target = re.search(r'action="([^"]*)"', found.group(0)[: found.group(0).index(">")])
+    fields: dict[str, list[str]] = {}
+    for tag in re.findall(r"<input [^>]*>", found.group(1)):
+        name = re.search(r'name="([^"]*)"', tag)
+        value = re.search(r'value="([^"]*)"', tag)
+        if name and name.group(1) != "csrfmiddlewaretoken":
+            fields.setdefault(name.group(1), []).append(value.group(1) if value else "")
+    return (target.group(1) if target else ""), fields
+
+
+def test_force_release_from_the_lock_page(admin_client_):
+    lk = dlock.lock("detail", ttl=300)
+    lk.acquire()
+    make_row(name="lock:bystander")
+    row = LockRow.objects.get(name="lock:detail")
+    url = reverse("admin:django_dlock_lock_force_release", args=[row.pk])
+    detail = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert f'<a href="{url}" id="dlock-force-release"' in detail and "Force release…" in detail
+
+    confirm = admin_client_.get(url)
+    assert confirm.status_code == 200
+    page = confirm.content.decode()
+    assert "Force-release locks: are you sure?" in page  # the list action's page
+    assert "lock:detail" in page and "lock:bystander" not in page
+    assert lk.token not in page
+    assert lk.owned()  # nothing happened yet
+    target, fields = form_of(page, "dlock-force-release-form")
+    # the form runs the list's action on this one lock
+    assert target == CHANGELIST
+    assert fields == {
+        "_selected_action": [str(row.pk)],
+        "action": ["force_release"],
+        "post": ["yes"],
+    }
+
+    done = admin_client_.post(target, fields, follow=True).content.decode()
+    assert "Force-released 1 lock: lock:detail" in done
+    assert not lk.locked()
+    with pytest.raises(dlock.LockLost):
+        lk.release()
+    entry = LogEntry.objects.get(object_id=str(row.pk))
+    assert "Force-released" in entry.get_change_message()
+    assert LockRow.objects.get(name="lock:bystander").token  # untouched
+    # released: nothing left to force
+    detail = admin_client_.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert url not in detail
+
+
+def test_force_release_from_the_lock_page_needs_the_permission():
+    row = make_row(name="lock:guarded")
+    url = reverse("admin:django_dlock_lock_force_release", args=[row.pk])
+    viewer = client_for(make_user("viewer", "view_lock"))
+    detail = viewer.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert "lock:guarded" in detail and url not in detail
+    assert viewer.get(url).status_code == 403
+    operator = client_for(make_user("operator", "view_lock", "force_release_lock"))
+    assert url in operator.get(f"{CHANGELIST}{row.pk}/change/").content.decode()
+    assert operator.get(url).status_code == 200
+    assert operator.post(url).status_code == 405  # the confirmation posts to the list
+    row.refresh_from_db()
+    assert row.token  # still held
+
+
+def test_advisory_names_from_known_names_and_the_tables():
+    pair_names = ["lock('order', 42)", 'task("it\'s", -7)', "leader(7, 8)", "lock('a, b', 'c')"]
+    odd = ["lock:unrelated", "lock(9999999999, 1)", "lock('\\x00', 1)", "task(", "plain"]
+    for name in ["leader:scheduler", "task:nightly-report", *pair_names, *odd]:
+        make_row(name=name)
+    now = db_now()
+    Waiter.objects.create(
+        name="lock:queued", token="w" * 32, enqueued_at=now, expire_at=now + dt.timedelta(hours=1)
+    )
+    keys = {name: make_key_of(name) for name in pair_names}
+    wanted = {
+        (hash64("leader:scheduler"),): "leader:scheduler",
+        (hash64("task:nightly-report"),): "task:nightly-report",
+        (hash64("lock:queued"),): "lock:queued",  # a waiter's key
+        (hash64("leader:runworker"),): "leader:runworker",  # known without a row
+        (hash64("lock:typed"),): "lock:typed",  # a name given by the caller
+        **{key: name for name, key in keys.items()},
+    }
+    unknown = [(hash64("lock:nobody-knows"),), (1, 2)]
+    found = advisory_names("default", [*wanted, *unknown], names=["typed"])
+    assert found == wanted
+    assert keys["lock('order', 42)"] == (hash32("order"), 42)
+    assert keys['task("it\'s", -7)'] == (hash32("it's"), -7)
+    assert keys["leader(7, 8)"] == (7, 8)
+
+
+def make_key_of(name: str) -> tuple[int, ...]:
+    """The advisory key of a stored two-part name, built by the library's own key code."""
+    namespace, _, parts = name.partition("(")
+    return make_key(ast.literal_eval("(" + parts), namespace).advisory
+
+
+def test_advisory_page_names_the_keys_it_can(admin_client_, advisory_holder):
+    holder, _ = advisory_holder  # holds lock:nightly and (7, -42)
+    make_row(name="lock:nightly", expired=True)  # a name in the lock table
+    with holder.cursor() as cur:
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64("leader:runworker")])
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nobody-recorded-this")])
+    url = reverse("admin:django_dlock_lock_advisory")
+    rows = advisory_rows(admin_client_.get(url).content.decode())
+    by_key = {
+        re.search(r'<code class="dlock-key">([^<]*)</code>', row).group(1): row for row in rows
+    }
+    assert set(by_key) == {
+        str(hash64("leader:runworker")),
+        str(hash64("lock:nightly")),
+        str(hash64("lock:nobody-recorded-this")),
+        "(7, -42)",
+    }
+    assert (
+        '<div class="dlock-name">leader:runworker</div>' in by_key[str(hash64("leader:runworker"))]
+    )
+    assert '<div class="dlock-name">lock:nightly</div>' in by_key[str(hash64("lock:nightly"))]
+    assert "name unknown" in by_key[str(hash64("lock:nobody-recorded-this"))]
+    assert "name unknown" in by_key["(7, -42)"]
+
+    # a name typed in "Find a lock name" names and highlights its rows, two-part keys too
+    rows = advisory_rows(admin_client_.get(url, {"name": "lock(7, -42)"}).content.decode())
+    [selected] = [row for row in rows if "selected" in row.split(">", 1)[0]]
+    assert "(7, -42)" in selected and '<div class="dlock-name">lock(7, -42)</div>' in selected
+    page = admin_client_.get(url, {"name": "nobody-recorded-this"}).content.decode()
+    [selected] = [row for row in advisory_rows(page) if "selected" in row.split(">", 1)[0]]
+    assert '<div class="dlock-name">lock:nobody-recorded-this</div>' in selected
+
+
+def test_advisory_page_names_a_running_advisory_election(admin_client_):
+    from django_dlock import sessions
+
+    made = dlock.LeaderElection(
+        "nightly-jobs", strategy="advisory", lease=10.0, renew_deadline=5.0, retry=0.4
+    )
+    try:
+        with made:
+            wait_until(lambda: made.is_leader)
+            page = admin_client_.get(reverse("admin:django_dlock_lock_advisory")).content.decode()
+    finally:
+        sessions.close_all()
+    [row] = [row for row in advisory_rows(page) if str(hash64("leader:nightly-jobs")) in row]
+    assert '<div class="dlock-name">leader:nightly-jobs</div>' in row
+    assert "dlock-state-held" in row

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime as dt
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import django_dlock as dlock
 from django_dlock.models import Lock as LockRow
 
 from .factories import LockFactory
+from .helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -219,3 +221,149 @@ def test_staff_without_the_permission_does_not_see_the_action(live_server):
     assert "lock:checkout:user-17" in seen["text"]  # the list is visible
     assert not any("Force-release" in option for option in seen["options"])
     assert "Force-release" not in seen["text"]
+
+
+#: a long name, as Celery task keys are (the widest cell of the advisory page)
+LONG_NAME = (
+    "lock:celery:billing.tasks.charge_customer_invoice:"
+    "8f14e45fceea167a5a36dedd4bea2543c9f0f895fb98ab9159f51fd0297e236d:"
+    "customer-000172934-invoice-000000082211-attempt-3"
+)
+
+#: what the advisory page looks like: its width and the colours of its rows
+ADVISORY_JS = """() => {
+  const rows = [...document.querySelectorAll('#dlock-advisory-list tbody tr')];
+  const bg = el => getComputedStyle(el).backgroundColor;
+  const buttons = [...document.querySelectorAll('#dlock-advisory-list a.dlock-terminate')];
+  return {
+    page: document.documentElement.scrollWidth,
+    body: document.body.scrollWidth,
+    table_right: document.querySelector('#dlock-advisory-list').getBoundingClientRect().right,
+    content_right: document.querySelector('#content').getBoundingClientRect().right,
+    buttons_right: Math.max(0, ...buttons.map(b => b.getBoundingClientRect().right)),
+    buttons: buttons.length,
+    waiting_rows: rows.filter(r => r.querySelector('.dlock-state-waiting')).length,
+    waiting_buttons: rows.filter(r => r.querySelector('.dlock-state-waiting'))
+      .filter(r => r.querySelector('a.dlock-terminate')).length,
+    selected: rows.filter(r => r.classList.contains('selected')).map(r => ({
+      text: r.innerText, row: bg(r), cell: bg(r.querySelector('td')) })),
+    others: rows.filter(r => !r.classList.contains('selected')).map(r => ({
+      text: r.innerText, row: bg(r), cell: bg(r.querySelector('td')) })),
+  };
+}"""
+
+
+@pytest.fixture
+def advisory_sessions():
+    """PostgreSQL sessions: one holds advisory locks (one on a long name), one waits."""
+    from django.db import DatabaseError, connections
+
+    from django_dlock.keys import hash64
+
+    LockFactory(name=LONG_NAME, owner="worker-3 pid=4410 thread=MainThread")
+    other = connections["default"].copy()
+    with other.cursor() as cur:
+        cur.execute(
+            "SET application_name = 'celery worker billing@worker-3.example.internal pid=4410'"
+        )
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64(LONG_NAME)])
+        cur.execute("SELECT pg_advisory_lock(%s)", [hash64("leader:runworker")])
+        cur.execute("SELECT pg_advisory_lock(%s, %s)", [7, -42])
+
+    def wait() -> None:  # a standby worker, waiting for the election's lock
+        waiter = connections["default"].copy()  # made in the thread that uses it
+        try:
+            with waiter.cursor() as cur:
+                cur.execute("SET application_name = 'runworker standby'")
+                cur.execute("SET lock_timeout = '60s'")
+                cur.execute("SELECT pg_advisory_lock(%s)", [hash64("leader:runworker")])
+        except DatabaseError:
+            pass
+        finally:
+            waiter.close()
+
+    def waiting() -> bool:
+        with connections["default"].cursor() as cur:
+            cur.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+            return bool(cur.fetchone()[0])
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        wait_until(waiting)
+        yield other
+    finally:
+        other.close()  # frees the locks: the waiter takes its lock and leaves
+        thread.join(60)
+
+
+def test_advisory_page_fits_1280_px_and_highlights_the_found_lock(
+    live_server, tmp_path, advisory_sessions
+):
+    require_browser()
+    get_user_model().objects.create_superuser("root", "root@example.com", "browser-pw")
+    write_docs = os.environ.get("DLOCK_WRITE_SCREENSHOT") == "1"
+    shot = DOCS_IMG / "admin-advisory.png" if write_docs else tmp_path / "admin-advisory.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+
+    def steps(page: Any) -> dict[str, Any]:
+        log_in(page, live_server.url, "root", "browser-pw")
+        page.goto(f"{live_server.url}{CHANGELIST}advisory/")
+        page.fill("#dlock-find-name", "leader:runworker")
+        page.click("#dlock-find input[type=submit]")
+        page.wait_for_selector("#dlock-advisory-list tr.selected")
+        seen: dict[str, Any] = page.evaluate(ADVISORY_JS)
+        page.screenshot(path=str(shot), full_page=True)
+        return seen
+
+    seen = in_browser(steps, width=1280, height=900, sidebar=True)
+    # The whole page fits the window with Django's navigation sidebar open:
+    # no horizontal scrolling, every Terminate button inside the window.
+    assert seen["page"] <= 1280 and seen["body"] <= 1280, seen
+    assert seen["table_right"] <= seen["content_right"], seen  # the table within the page
+    assert seen["buttons"] == 3 and 0 < seen["buttons_right"] <= 1280, seen
+    # a waiting session is offered no Terminate: only the rows that hold a lock
+    assert seen["waiting_buttons"] == 0 and seen["waiting_rows"] == 1, seen
+    assert any(LONG_NAME[:40] in row["text"] for row in seen["others"])  # the name is shown
+    # The found lock's row stands out from the others.
+    # The found lock's rows (the holder's and the waiter's) stand out from the others.
+    assert len(seen["selected"]) == 2 and len(seen["others"]) == 2, seen
+    transparent = ("rgba(0, 0, 0, 0)", "transparent")
+    for selected in seen["selected"]:
+        assert "leader:runworker" in selected["text"]
+        assert selected["row"] not in transparent and selected["cell"] not in transparent
+        for other in seen["others"]:
+            assert other["row"] != selected["row"] and other["cell"] != selected["cell"], seen
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_force_release_from_the_lock_page_in_a_real_browser(live_server):
+    require_browser()
+    get_user_model().objects.create_superuser("root", "root@example.com", "browser-pw")
+    lk = dlock.lock("invoice:2048", ttl=600)
+    lk.acquire()
+    row = LockRow.objects.get(name="lock:invoice:2048")
+
+    def steps(page: Any) -> dict[str, Any]:
+        log_in(page, live_server.url, "root", "browser-pw")
+        page.goto(f"{live_server.url}{CHANGELIST}{row.pk}/change/")
+        seen: dict[str, Any] = {"detail": page.locator("#content").inner_text()}
+        page.click("#dlock-force-release")
+        page.wait_for_selector("#dlock-confirm")
+        seen["confirm_title"] = page.locator("#content h1").inner_text()
+        seen["confirm_rows"] = page.locator("#dlock-force-release-list tbody tr").all_inner_texts()
+        page.click("#dlock-confirm")
+        page.wait_for_selector("ul.messagelist")
+        seen["message"] = page.locator("ul.messagelist").inner_text()
+        seen["url"] = page.url
+        return seen
+
+    seen = in_browser(steps, width=1280, height=900, sidebar=True)
+    assert "Expires at" in seen["detail"] and "UTC" in seen["detail"]
+    assert seen["confirm_title"] == "Force-release locks: are you sure?"
+    assert len(seen["confirm_rows"]) == 1 and "lock:invoice:2048" in seen["confirm_rows"][0]
+    assert "Force-released 1 lock: lock:invoice:2048" in seen["message"]
+    assert seen["url"].endswith(CHANGELIST)
+    assert not lk.locked()
+    with pytest.raises(dlock.LockLost):
+        lk.release()

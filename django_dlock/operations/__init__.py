@@ -11,7 +11,8 @@ Shared by the admin and the operator commands (``dlock_list``,
   :class:`~django_dlock.LockLost`;
 * :mod:`~django_dlock.operations.pg_advisory`: :func:`advisory_locks` lists the
   PostgreSQL advisory locks held or awaited in the lock database
-  (``pg_locks`` joined with ``pg_stat_activity``), and
+  (``pg_locks`` joined with ``pg_stat_activity``), :func:`advisory_names`
+  finds the lock names behind their keys where they can be known, and
   :func:`terminate_backend` ends the session of a holder (the only way to
   free a session advisory lock that is not yours);
 * :mod:`~django_dlock.operations.mysql_user_locks`: :func:`user_locks` lists the
@@ -49,6 +50,8 @@ from django_dlock.operations.pg_advisory import (
 )
 from django_dlock.operations.pg_advisory import advisory_key as advisory_key
 from django_dlock.operations.pg_advisory import advisory_key_of as advisory_key_of
+from django_dlock.operations.pg_advisory import advisory_key_of_name as advisory_key_of_name
+from django_dlock.operations.pg_advisory import advisory_names as advisory_names
 from django_dlock.operations.pg_advisory import is_postgresql as is_postgresql
 
 __all__ = [
