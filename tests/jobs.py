@@ -106,6 +106,19 @@ def record_db() -> None:
     _append(os.environ["DLOCK_TEST_RUNS"], record)
 
 
+def _regex_size_for(seconds: float) -> int:
+    """The size at which the catastrophic expression of :func:`hold_gil` runs at least
+    ``seconds`` here (each step up doubles the time): measured at a small size."""
+    import math
+    import re
+    import time
+
+    started = time.perf_counter()
+    assert re.match(r"(a+)+$", "a" * 20 + "b") is None
+    took = max(time.perf_counter() - started, 1e-6)
+    return 20 + max(0, math.ceil(math.log2(seconds / took)))
+
+
 def hold_gil() -> None:
     """Hold the GIL for seconds in C code (a catastrophic regular expression), then record."""
     import re
@@ -118,7 +131,10 @@ def hold_gil() -> None:
     if "DLOCK_TEST_STARTED" in os.environ:
         with open(os.environ["DLOCK_TEST_STARTED"], "w") as f:
             f.write(str(os.getpid()))
-    size = int(os.environ.get("DLOCK_TEST_REGEX_SIZE", "26"))
+    if "DLOCK_TEST_GIL_SECONDS" in os.environ:
+        size = _regex_size_for(float(os.environ["DLOCK_TEST_GIL_SECONDS"]))
+    else:
+        size = int(os.environ.get("DLOCK_TEST_REGEX_SIZE", "26"))
     assert re.match(r"(a+)+$", "a" * size + "b") is None
     end = _db_now(_alias())
     _append(
