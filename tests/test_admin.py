@@ -409,7 +409,7 @@ def test_detail_page_shows_times_to_the_second_with_the_time_zone(admin_client_,
     assert "2030-01-02 04:09:07 CET" in page
 
 
-@pytest.mark.django_db(transaction=True, databases="__all__")
+@pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 def test_delete_free_rows_deletes_the_chosen_ended_rows_and_keeps_the_fences(alias):
     def row(name: str, **fields) -> LockRow:
         made: LockRow = _LockFactory.build(name=name, **fields)  # type: ignore[assignment]

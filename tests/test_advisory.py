@@ -22,7 +22,7 @@ from django_dlock.strategies.base import close_private_connections
 from . import procs
 from .helpers import in_thread, run_threads, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 ADV = "advisory"
 

@@ -15,7 +15,7 @@ from django.test.utils import CaptureQueriesContext
 import django_dlock as dlock
 from django_dlock.models import Lock as LockRow
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 BAD_KEYS = [
     ("", dlock.InvalidLockKey),

@@ -22,7 +22,7 @@ from django_dlock import cleanup
 
 from .helpers import run_threads
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 FREE_AT_START = 300
 BATCH = 50

@@ -17,7 +17,7 @@ from django_dlock.identity import current_holder
 
 from .helpers import expire_now, in_thread, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def seconds_left(alias: str, name: str) -> float:

@@ -24,7 +24,7 @@ from django_dlock.models import Lock as LockRow
 
 from .helpers import in_thread
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ import django_dlock as dlock
 from . import procs
 from .helpers import run_threads
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 PROCESSES, ITERATIONS = 8, 200
 

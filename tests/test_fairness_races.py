@@ -27,7 +27,7 @@ from django_dlock.strategies.lease.sql import PG_RELEASE_SQL
 
 from .helpers import wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def _raw(alias: str) -> Any:

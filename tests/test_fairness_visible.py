@@ -21,7 +21,7 @@ from django_dlock.strategies import queue
 
 from .helpers import wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def run(*args: str) -> str:

@@ -17,7 +17,7 @@ from django_dlock import signals
 from . import procs
 from .helpers import expire_now, in_thread, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def _hold_forever(alias: str, ready: str, ttl: float) -> None:

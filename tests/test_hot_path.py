@@ -20,7 +20,7 @@ from django_dlock.exceptions import InvalidLockKey
 from django_dlock.keys import make_key
 from django_dlock.strategies.base import close_private_connections
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 @pytest.fixture(autouse=True)

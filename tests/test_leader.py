@@ -19,7 +19,7 @@ from django_dlock.leader import Leadership, current_leadership
 
 from .helpers import expire_now, in_thread, row, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 FAST = {"lease": 2.0, "renew_deadline": 1.5, "retry": 0.4}
 

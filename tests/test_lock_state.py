@@ -28,7 +28,7 @@ from django_dlock.strategies.base import close_private_connections
 
 from .helpers import in_thread, row, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 @pytest.fixture(autouse=True)

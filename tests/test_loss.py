@@ -30,7 +30,7 @@ from django_dlock.operations import force_release
 
 from .helpers import wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 #: (strategy, alias, state)
 CASES = [

@@ -17,7 +17,7 @@ from django_dlock.checks import check_metrics
 
 from .helpers import in_thread, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def sample(name: str, **labels: str) -> float:

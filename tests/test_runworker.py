@@ -38,7 +38,7 @@ ADVISORY = ["--lease", "10", "--renew-deadline", "5", "--retry", "0.4"]
 #: extra seconds a bounded wait allows for process scheduling on a busy machine
 SLACK = 3.0
 
-db = pytest.mark.django_db(transaction=True, databases="__all__")
+db = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def child_env(runs: str | None = None) -> dict[str, str]:

@@ -21,7 +21,7 @@ from . import procs
 from .helpers import in_thread, row, wait_until
 from .jobs import fire_task, hold_task_forever
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def lease_seconds(alias: str, name: str) -> tuple[float, float, str]:

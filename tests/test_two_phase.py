@@ -16,7 +16,7 @@ from django_dlock.exceptions import DLockError, StrategyNotSupported
 
 from .helpers import in_thread, wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
 
 def _tickets(alias: str, name: str, live_only: bool = False) -> int:
