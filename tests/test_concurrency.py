@@ -21,7 +21,7 @@ from .helpers import run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
-PROCESSES, ITERATIONS = 8, 200
+PROCESSES, ITERATIONS = 8, 100
 
 
 def _worker(alias: str, counter_path: str, log_path: str, iterations: int) -> None:
