@@ -37,10 +37,11 @@ def django_db_modify_db_settings_xdist_suffix() -> None:
     processes a test starts read the same names there): no suffix on top."""
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _stop_listeners(django_db_setup):
-    # Torn down before the test databases are dropped: the LISTEN
-    # connections and idle advisory sessions must be closed by then.
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup):
+    # The test databases, set up for the first test that uses one (the
+    # tests of tests/unit/ use none, and set up none). Before they are
+    # dropped, the LISTEN connections and idle advisory sessions are closed.
     yield
     notify.stop_all()
     sessions.close_all()

@@ -1,0 +1,144 @@
+"""The acquiring walk (all keys or none, in order, re-entry) against a strategy
+kept in memory: no database, so these run in a second."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+import django_dlock as dlock
+from django_dlock.acquiring import Attempt
+from django_dlock.conf import RetryInterval
+from django_dlock.identity import current_holder
+from django_dlock.keys import Key
+from django_dlock.retry import Deadline
+from django_dlock.strategies.base import Grant, Request
+
+
+class Refused(Exception):
+    """What the in-memory strategy raises for a key it was told to fail on."""
+
+
+@dataclass
+class MemoryStrategy:
+    """A strategy whose database is a dict: key name -> holder token."""
+
+    name: str = "memory"
+    family: str = "memory"
+    transaction_scoped: bool = False
+    held: dict[str, str] = field(default_factory=dict)
+    fences: int = 0
+    #: every call, in order: ("acquire" | "release", key name)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    #: key names whose acquire raises :class:`Refused`
+    failing: set[str] = field(default_factory=set)
+
+    def ended(self, req: Request) -> bool:
+        return False
+
+    def check_supported(self, connection: BaseDatabaseWrapper) -> None:
+        pass
+
+    def acquire(self, req: Request, deadline: Deadline, policy: RetryInterval) -> Grant | None:
+        fence = self.try_acquire(req)
+        return None if fence is None else Grant(fence)
+
+    async def aacquire(
+        self, req: Request, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        return self.acquire(req, deadline, policy)
+
+    def try_acquire(self, req: Request) -> int | None:
+        name = req.key.name
+        self.calls.append(("acquire", name))
+        if name in self.failing:
+            raise Refused(name)
+        if self.held.get(name, req.token) != req.token:
+            return None
+        self.held[name] = req.token
+        self.fences += 1
+        return self.fences
+
+    def release(self, req: Request) -> bool:
+        self.calls.append(("release", req.key.name))
+        return self.held.pop(req.key.name, None) == req.token
+
+    def extend(self, req: Request, ttl: float) -> bool:
+        return self.owned(req)
+
+    def locked(self, alias: str, key: Key) -> bool:
+        return key.name in self.held
+
+    def owned(self, req: Request) -> bool:
+        return self.held.get(req.key.name) == req.token
+
+    def loss_reason(self, req: Request) -> str | None:
+        return None
+
+
+@pytest.fixture
+def memory() -> Iterator[MemoryStrategy]:
+    strategy = MemoryStrategy()
+    yield strategy
+    holder = current_holder()
+    for slot in [slot for slot in holder.holdings if slot[1] == "memory"]:
+        del holder.holdings[slot]
+
+
+def _walk(strategy: MemoryStrategy, *names: str) -> tuple[Attempt, Request | None]:
+    lock = dlock.lock(list(names), using="default")
+    attempt = Attempt(lock, current_holder(), "default", strategy, Deadline(0))
+    return attempt, attempt.run(lock.keys)
+
+
+def test_every_key_is_taken_in_sorted_order(memory):
+    attempt, busy = _walk(memory, "b", "c", "a")
+    assert busy is None
+    assert memory.calls == [("acquire", "lock:a"), ("acquire", "lock:b"), ("acquire", "lock:c")]
+    assert [key.name for key in attempt.taken] == ["lock:a", "lock:b", "lock:c"]
+
+
+def test_a_busy_key_gives_back_what_was_taken_last_first(memory):
+    memory.held["lock:c"] = "someone else"
+    attempt, busy = _walk(memory, "a", "b", "c", "d")
+    assert busy is not None and busy.key.name == "lock:c"
+    assert memory.calls[-2:] == [("release", "lock:b"), ("release", "lock:a")]
+    assert ("acquire", "lock:d") not in memory.calls  # the walk stops at the busy key
+    assert memory.held == {"lock:c": "someone else"}
+    assert attempt.taken == []
+
+
+def test_an_error_gives_back_what_was_taken_and_is_raised(memory):
+    memory.failing.add("lock:b")
+    with pytest.raises(Refused):
+        _walk(memory, "a", "b")
+    assert memory.calls == [("acquire", "lock:a"), ("acquire", "lock:b"), ("release", "lock:a")]
+    assert memory.held == {}
+
+
+def test_a_key_the_holder_holds_is_re_entered_without_asking_again(memory):
+    first, _ = _walk(memory, "a")
+    second, busy = _walk(memory, "a", "b")
+    assert busy is None
+    assert memory.calls == [("acquire", "lock:a"), ("acquire", "lock:b")]
+    second.undo()  # one level of "a", and "b"
+    assert memory.held == {"lock:a": current_holder().token()}
+    first.undo()
+    assert memory.held == {}
+
+
+def test_the_async_walk_is_the_same_walk(memory):
+    memory.held["lock:b"] = "someone else"
+    lock = dlock.lock(["a", "b"], using="default")
+
+    async def walk() -> Request | None:
+        attempt = Attempt(lock, current_holder(), "default", memory, Deadline(0))
+        return await attempt.arun(lock.keys)
+
+    busy = asyncio.run(walk())
+    assert busy is not None and busy.key.name == "lock:b"
+    assert memory.calls == [("acquire", "lock:a"), ("acquire", "lock:b"), ("release", "lock:a")]
