@@ -34,7 +34,17 @@ import inspect
 import logging
 from collections.abc import Callable, Coroutine, Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    cast,
+    overload,
+)
 
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections
@@ -70,7 +80,7 @@ from django_dlock.validation import (
     validated,
 )
 
-__all__ = ["Lock", "OnFail", "lock"]
+__all__ = ["Lock", "LockOptions", "OnFail", "lock"]
 
 logger = logging.getLogger("django_dlock")
 
@@ -81,6 +91,27 @@ R = TypeVar("R")
 #: what a lock used as a decorator does when its key stays held: raise
 #: :class:`LockTimeout`, or skip the call (it returns ``None``)
 OnFail = Literal["raise", "skip"]
+
+
+class LockOptions(TypedDict, total=False):
+    """The options of :class:`Lock` but ``using`` and ``on_fail``, for ``**options``.
+
+    For a function that passes its keyword arguments on to :func:`lock`,
+    annotated ``**options: Unpack[LockOptions]`` (``Unpack`` from
+    ``typing``, or ``typing_extensions`` before Python 3.11), so that a type
+    checker still reports an unknown option.
+    """
+
+    strategy: str | None
+    ttl: float | None
+    timeout: float | None
+    renew: bool
+    max_hold: float | None
+    reentrant: bool
+    retry_interval: RetryInterval | None
+    on_lost: Callable[[LockLost], None] | None
+    shared: bool
+
 
 if TYPE_CHECKING:
     # A default (PEP 696): a plain ``Lock`` annotation means a lock of either kind.

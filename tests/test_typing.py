@@ -30,9 +30,9 @@ from django_dlock.decorators import with_lock
 """
 
 CLEAN = """\
-from typing_extensions import assert_type
+from typing_extensions import Unpack, assert_type
 
-from django_dlock.locks import OnFail
+from django_dlock.locks import LockOptions, OnFail
 
 
 def lost(error: dlock.LockLost) -> None: ...
@@ -134,6 +134,39 @@ def pay_invoice(request: HttpRequest, invoice_id: int) -> HttpResponse:
 
 
 election = dlock.LeaderElection("scheduler", lease=15, renew_deadline=10, retry=2)
+
+# every option that lock_and_atomic passes on to the lock
+with dlock.lock_and_atomic(
+    ("invoice", 42),
+    using="default",
+    savepoint=False,
+    durable=False,
+    strategy="advisory_xact",
+    ttl=30,
+    timeout=10,
+    renew=False,
+    max_hold=None,
+    reentrant=True,
+    retry_interval=0.1,
+    on_lost=lost,
+    shared=False,
+) as in_transaction:
+    assert_type(in_transaction, dlock.Lock[Literal["raise"]])
+
+
+@dlock.lock_and_atomic("recompute-totals", strategy="advisory_xact", timeout=10)
+def recompute(day: str) -> int:
+    return 0
+
+
+assert_type(recompute("monday"), int)
+
+
+def my_lock(key: str, **options: Unpack[LockOptions]) -> dlock.Lock[Literal["raise"]]:
+    return dlock.lock(f"mine:{key}", **options)
+
+
+my_lock("invoice", ttl=30, timeout=5)
 """
 
 #: one mistake each, marked ``# E: <code>`` where mypy must report it
@@ -156,6 +189,12 @@ dlock.TaskLock("digest", min_hld=300)  # E: call-arg
 """,
     "typo_with_lock": """\
 with_lock("invoice:{invoice_id}", tiemout=5)  # E: call-arg
+""",
+    "typo_lock_and_atomic": """\
+dlock.lock_and_atomic("x", tll=3)  # E: call-arg
+""",
+    "lock_and_atomic_cannot_skip": """\
+dlock.lock_and_atomic("x", on_fail="skip")  # E: call-arg
 """,
     "typo_leader": """\
 dlock.LeaderElection("scheduler", leese=15)  # E: call-arg
@@ -305,6 +344,8 @@ def test_a_mistake_fails_with_its_error_code(checked, mistake):
         ("typo_tasklock", 'Unexpected keyword argument "min_hld" for "TaskLock"'),
         ("typo_with_lock", 'Unexpected keyword argument "tiemout" for "with_lock"'),
         ("typo_leader", 'Unexpected keyword argument "leese" for "LeaderElection"'),
+        ("typo_lock_and_atomic", 'Unexpected keyword argument "tll" for "lock_and_atomic"'),
+        ("lock_and_atomic_cannot_skip", 'Unexpected keyword argument "on_fail"'),
         ("typo_on_fail", 'No overload variant of "lock" matches argument types "str", "str"'),
         ("skip_returns_none", 'expression has type "int | None", variable has type "int"'),
         ("skip_async_returns_none", 'got "int | None", expected "int"'),
