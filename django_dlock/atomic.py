@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 from django.db import connections, transaction
 
 from django_dlock.keys import LockKey
-from django_dlock.locks import Lock
+from django_dlock.locks import Lock, LockOptions
 from django_dlock.strategies import get_strategy
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 logger = logging.getLogger("django_dlock")
 
@@ -23,8 +26,8 @@ def lock_and_atomic(
     using: str | None = None,
     savepoint: bool = True,
     durable: bool = False,
-    **options: Any,
-) -> Iterator[Lock]:
+    **options: Unpack[LockOptions],
+) -> Iterator[Lock[Literal["raise"]]]:
     """Hold a lock around a ``transaction.atomic`` block, released after the commit.
 
     Whatever the block writes is committed (or rolled back) *before* the
@@ -52,7 +55,9 @@ def lock_and_atomic(
         savepoint: passed to ``transaction.atomic``.
         durable: passed to ``transaction.atomic``.
         **options: the other arguments of :class:`~django_dlock.locks.Lock`
-            (``strategy``, ``timeout``, ``ttl``, ``shared`` ...).
+            (``strategy``, ``timeout``, ``ttl``, ``shared`` ...; see
+            :class:`~django_dlock.locks.LockOptions`), but ``on_fail``: a
+            ``with`` block cannot skip.
 
     Raises:
         LockTimeout: the lock could not be acquired within the timeout

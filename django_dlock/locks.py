@@ -32,9 +32,19 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextvars import ContextVar
-from typing import Any, TypeVar, cast, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    ParamSpec,
+    TypedDict,
+    TypeVar,
+    cast,
+    overload,
+)
 
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections
@@ -70,11 +80,46 @@ from django_dlock.validation import (
     validated,
 )
 
-__all__ = ["Lock", "lock"]
+__all__ = ["Lock", "LockOptions", "OnFail", "lock"]
 
 logger = logging.getLogger("django_dlock")
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: what a lock used as a decorator does when its key stays held: raise
+#: :class:`LockTimeout`, or skip the call (it returns ``None``)
+OnFail = Literal["raise", "skip"]
+
+
+class LockOptions(TypedDict, total=False):
+    """The options of :class:`Lock` but ``using`` and ``on_fail``, for ``**options``.
+
+    For a function that passes its keyword arguments on to :func:`lock`,
+    annotated ``**options: Unpack[LockOptions]`` (``Unpack`` from
+    ``typing``, or ``typing_extensions`` before Python 3.11), so that a type
+    checker still reports an unknown option.
+    """
+
+    strategy: str | None
+    ttl: float | None
+    timeout: float | None
+    renew: bool
+    max_hold: float | None
+    reentrant: bool
+    retry_interval: RetryInterval | None
+    on_lost: Callable[[LockLost], None] | None
+    shared: bool
+
+
+if TYPE_CHECKING:
+    # A default (PEP 696): a plain ``Lock`` annotation means a lock of either kind.
+    from typing_extensions import TypeVar as _TypeVarWithDefault
+
+    _OnFailT = _TypeVarWithDefault("_OnFailT", bound=OnFail, covariant=True, default=OnFail)
+else:
+    _OnFailT = TypeVar("_OnFailT", bound=OnFail, covariant=True)
 
 
 def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
@@ -104,7 +149,7 @@ def why_busy() -> str:
     return _WHY_BUSY.get()
 
 
-class Lock:
+class Lock(Generic[_OnFailT]):
     """A distributed lock on one key, or on several keys at once.
 
     Args:
@@ -153,6 +198,44 @@ class Lock:
 
     #: places taken by :meth:`enqueue`, by holder token (made on first use)
     _queued_by_holder: dict[str, two_phase.Queued]
+
+    # The type records ``on_fail``: the decorator's calls may return None
+    # only when it is "skip".
+    @overload
+    def __init__(
+        self: Lock[Literal["raise"]],
+        key: LockKey | None = None,
+        *,
+        strategy: str | None = None,
+        ttl: float | None = None,
+        timeout: float | None = UNSET,
+        using: str | list[str] | tuple[str, ...] | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+        reentrant: bool = True,
+        retry_interval: RetryInterval | None = None,
+        on_lost: Callable[[LockLost], None] | None = None,
+        on_fail: Literal["raise"] = "raise",
+        shared: bool = False,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: Lock[Literal["skip"]],
+        key: LockKey | None = None,
+        *,
+        strategy: str | None = None,
+        ttl: float | None = None,
+        timeout: float | None = UNSET,
+        using: str | list[str] | tuple[str, ...] | None = None,
+        renew: bool = False,
+        max_hold: float | None = None,
+        reentrant: bool = True,
+        retry_interval: RetryInterval | None = None,
+        on_lost: Callable[[LockLost], None] | None = None,
+        on_fail: Literal["skip"],
+        shared: bool = False,
+    ) -> None: ...
 
     def __init__(
         self,
@@ -695,8 +778,25 @@ class Lock:
         logger.info("django-dlock: skipped, %s %s", self.name, why_busy())
         signals.lock_skipped.send(type(self), name=self.name, reason="held")
 
-    def __call__(self, func: F) -> F:
-        """Use the lock as a decorator (sync or async functions)."""
+    @overload
+    def __call__(self: Lock[Literal["raise"]], func: F) -> F: ...
+
+    @overload
+    def __call__(
+        self, func: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+
+    @overload
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R | None]: ...
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """Use the lock as a decorator (sync or async functions).
+
+        With ``on_fail="skip"`` (and for a :class:`~django_dlock.TaskLock`)
+        the decorated function returns ``None`` when it is skipped, and is
+        typed so: ``def f() -> int`` becomes a function returning
+        ``int | None``.
+        """
         from django_dlock._http import aguarded_call, guarded_call
 
         lk = self._for_function(func)
@@ -717,13 +817,13 @@ class Lock:
                     lk, lambda: func(*args, **kwargs), arefused, stream=False
                 )
 
-            return cast(F, async_wrapper)
+            return async_wrapper
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return guarded_call(lk, lambda: func(*args, **kwargs), refused, stream=False)
 
-        return cast(F, wrapper)
+        return wrapper
 
     def __repr__(self) -> str:
         keys = "<decorator>" if self._keys is None else self.name
@@ -736,10 +836,42 @@ def lock(key: F) -> F: ...
 
 
 @overload
-def lock(key: LockKey | None = None, **options: Any) -> Lock: ...
+def lock(
+    key: LockKey | None = None,
+    *,
+    strategy: str | None = None,
+    ttl: float | None = None,
+    timeout: float | None = UNSET,
+    using: str | list[str] | tuple[str, ...] | None = None,
+    renew: bool = False,
+    max_hold: float | None = None,
+    reentrant: bool = True,
+    retry_interval: RetryInterval | None = None,
+    on_lost: Callable[[LockLost], None] | None = None,
+    on_fail: Literal["raise"] = "raise",
+    shared: bool = False,
+) -> Lock[Literal["raise"]]: ...
 
 
-def lock(key: LockKey | F | None = None, **options: Any) -> Lock | F:
+@overload
+def lock(
+    key: LockKey | None = None,
+    *,
+    strategy: str | None = None,
+    ttl: float | None = None,
+    timeout: float | None = UNSET,
+    using: str | list[str] | tuple[str, ...] | None = None,
+    renew: bool = False,
+    max_hold: float | None = None,
+    reentrant: bool = True,
+    retry_interval: RetryInterval | None = None,
+    on_lost: Callable[[LockLost], None] | None = None,
+    on_fail: Literal["skip"],
+    shared: bool = False,
+) -> Lock[Literal["skip"]]: ...
+
+
+def lock(key: LockKey | F | None = None, **options: Any) -> Lock[Any] | F:
     """Create a :class:`Lock` (see its arguments).
 
     ``@dlock.lock`` without parentheses decorates a function with the key

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, ParamSpec, TypeVar
 
 from django.db import connections
 
@@ -45,6 +45,7 @@ __all__ = ["TaskLock"]
 logger = logging.getLogger("django_dlock")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class _HoldAtLeast(LeaseStrategy):
@@ -57,7 +58,7 @@ class _HoldAtLeast(LeaseStrategy):
         return self.release_after(req, self.min_hold)
 
 
-class TaskLock(Lock):
+class TaskLock(Lock[Literal["skip"]]):
     """A lease lock that skips when held and keeps its lease for ``min_hold``.
 
     Args:
@@ -76,7 +77,8 @@ class TaskLock(Lock):
 
     Use it, in order of preference, as
 
-    * a decorator: the function returns ``None`` when skipped;
+    * a decorator: the function returns ``None`` when skipped (and is typed
+      so: a function returning ``int`` becomes one returning ``int | None``);
     * ``task.run(func, *args, **kwargs)`` / ``await task.arun(...)``: same;
     * a context manager whose value says whether to run the body (Python
       cannot skip a ``with`` body, so check it)::
@@ -176,7 +178,7 @@ class TaskLock(Lock):
 
     # -- explicit forms ------------------------------------------------------
 
-    def run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+    def run(self, func: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """Call ``func(*args, **kwargs)`` if the task lock is free; else ``None``.
 
         Example::
@@ -188,7 +190,9 @@ class TaskLock(Lock):
                 return func(*args, **kwargs)
         return None
 
-    async def arun(self, func: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T | None:
+    async def arun(
+        self, func: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs
+    ) -> T | None:
         """Async :meth:`run`: awaits ``func(*args, **kwargs)`` if the lock is free."""
         async with self as acquired:
             if acquired:
