@@ -103,3 +103,25 @@ def docs_example_db(
                 yield alias
     finally:
         close_private_connections()  # opened by lock writes inside transaction.atomic
+
+
+# -- the test databases (here, not in tests/conftest.py: the examples of the
+# docs and README.md are collected from here and use the same databases) ----
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """Each pytest-xdist worker's databases are named in tests/settings.py (the
+    processes a test starts read the same names there): no suffix on top."""
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None) -> Iterator[None]:
+    # The test databases, set up for the first test that uses one (the
+    # tests of tests/unit/ use none, and set up none). Before they are
+    # dropped, the LISTEN connections and idle advisory sessions are closed.
+    from django_dlock import notify, sessions
+
+    yield
+    notify.stop_all()
+    sessions.close_all()

@@ -1,7 +1,7 @@
 """Every system check of django-dlock, registered here (stable IDs, listed in the docs).
 
 * ``dlock.E001``-``E006``: each ``DLOCK_*`` setting has a valid value;
-* ``dlock.E010``-``E013``, ``W010``-``W011``: the default strategy fits the
+* ``dlock.E010``-``E014``, ``W010``-``W011``: the default strategy fits the
   lock database (settings only, never a connection);
 * ``dlock.E020``-``E027``, ``W020``-``W023``: ``DLOCK_MIDDLEWARE_RULES`` and
   the place of ``LockMiddleware``;
@@ -262,6 +262,19 @@ def database_messages(
         )
     if strategy != "advisory" or vendor != "postgresql":
         return found
+    from django_dlock.strategies._pg import PSYCOPG_INSTALL, psycopg3
+
+    if not psycopg3():
+        found.append(
+            Error(
+                f"DLOCK_DEFAULT_STRATEGY is 'advisory' on the PostgreSQL database {alias!r}, "
+                "which needs psycopg 3 (its sessions are psycopg 3 connections), and psycopg 3 "
+                "is not installed: Django runs PostgreSQL on psycopg2 here.",
+                hint=f"Install the postgresql extra ({PSYCOPG_INSTALL} in a checkout of "
+                "django-dlock), or use the lease strategy.",
+                id="dlock.E014",
+            )
+        )
     options = database.get("OPTIONS") or {}
     if database.get("DISABLE_SERVER_SIDE_CURSORS") or str(database.get("PORT", "")) == "6432":
         found.append(

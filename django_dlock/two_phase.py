@@ -36,12 +36,13 @@ from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.identity import Holder, current_holder, holder_alive
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies.advisory.pending import Pending, pending_capable
+from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.lease import LeaseStrategy
 
 if TYPE_CHECKING:
     from django_dlock.locks import Lock
+    from django_dlock.strategies.advisory.pending import Pending
 
 __all__ = ["aenqueue", "await_lock", "enqueue", "give_up", "has_place", "wait"]
 
@@ -68,13 +69,25 @@ def _two_phase_strategy(lock: Lock, alias: str) -> Strategy:
     strategy = lock._strategy(alias)
     if isinstance(strategy, LeaseStrategy):
         return strategy
-    if pending_capable(strategy, connections[alias].vendor) is not None:
+    if connections[alias].vendor == "postgresql" and _advisory_pending(strategy) is not None:
         return strategy
     raise StrategyNotSupported(
         f"enqueue()/wait() need a strategy that keeps a place in a queue (lease, or "
         f"advisory on PostgreSQL); {lock.strategy_name!r} on {alias!r} cannot: "
         "use acquire(timeout=...)"
     )
+
+
+def _advisory_pending(strategy: Strategy) -> object | None:
+    """The PostgreSQL advisory implementation behind ``strategy`` (which keeps a
+    place as a pending lock in the server's queue), if it is one. (Imported
+    here: the advisory sessions need psycopg, which a site without
+    PostgreSQL does not install.)"""
+    if not psycopg3():
+        return None
+    from django_dlock.strategies.advisory.pending import pending_capable
+
+    return pending_capable(strategy, "postgresql")
 
 
 def _queued_places(lock: Lock) -> dict[str, Queued]:
@@ -117,6 +130,8 @@ def _queue_at(lock: Lock, attempt: Attempt, req: Request, ticket: int | None) ->
         queue.keeper.add(req, ticket, wanted)
         queued = Queued(req, len(attempt.taken), ticket=ticket)
     else:
+        from django_dlock.strategies.advisory.pending import Pending, pending_capable
+
         impl = pending_capable(attempt.strategy, connections[req.alias].vendor)
         assert impl is not None
         queued = Queued(req, len(attempt.taken), pending=Pending(impl, req, holder, wanted))

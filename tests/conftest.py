@@ -4,8 +4,6 @@ import socket
 
 import pytest
 
-from django_dlock import notify, sessions
-
 DB_ALIASES = ["default", "sqlite", "mysql"]
 DB_IDS = {"default": "postgresql", "sqlite": "sqlite", "mysql": "mariadb"}
 
@@ -29,22 +27,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             missing.append(f"{alias} ({db['ENGINE']} at {db['HOST']}:{db['PORT']})")
     if missing:
         pytest.exit("database server(s) unreachable: " + ", ".join(missing), returncode=3)
-
-
-@pytest.fixture(scope="session")
-def django_db_modify_db_settings_xdist_suffix() -> None:
-    """Each pytest-xdist worker's databases are named in tests/settings.py (the
-    processes a test starts read the same names there): no suffix on top."""
-
-
-@pytest.fixture(scope="session")
-def django_db_setup(django_db_setup):
-    # The test databases, set up for the first test that uses one (the
-    # tests of tests/unit/ use none, and set up none). Before they are
-    # dropped, the LISTEN connections and idle advisory sessions are closed.
-    yield
-    notify.stop_all()
-    sessions.close_all()
 
 
 @pytest.fixture(params=DB_ALIASES, ids=[DB_IDS[a] for a in DB_ALIASES])

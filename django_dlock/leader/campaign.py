@@ -45,6 +45,7 @@ from django_dlock.keys import Key
 from django_dlock.leader.backends import ADVISORY_TOKEN, _Backend
 from django_dlock.leader.leadership import STEPPING_DOWN, Leadership, _now
 from django_dlock.leader.workers import Dispatcher, IOThread
+from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Request
 
 logger = logging.getLogger("django_dlock")
@@ -122,7 +123,7 @@ class Campaign:
         itself at once, again and again. Quorum candidates look every
         ``retry`` period (and when the lease they saw should have ended).
         """
-        if self.quorum or connections[self.alias].vendor != "postgresql":
+        if self.quorum or connections[self.alias].vendor != "postgresql" or not psycopg3():
             return []
         return [self.alias]
 

@@ -32,6 +32,44 @@ PG_LOCKS_MATCH = (
 )
 
 
+#: the install command that brings psycopg 3 (from a checkout of the project)
+PSYCOPG_INSTALL = 'pip install -e ".[postgresql]"'
+
+
+def psycopg3() -> bool:
+    """Whether psycopg 3 can be imported (Django then uses it for PostgreSQL).
+
+    Without it Django runs PostgreSQL on psycopg2: the ``lease``, ``row`` and
+    ``advisory_xact`` statements run through Django's cursor, waiters poll
+    instead of being woken by ``NOTIFY``, and ``advisory`` (sessions of its
+    own, opened with psycopg 3) is refused.
+    """
+    global _psycopg3
+    if _psycopg3 is None:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            _psycopg3 = False
+        else:
+            _psycopg3 = True
+    return _psycopg3
+
+
+_psycopg3: bool | None = None
+
+
+def require_psycopg3(what: str) -> None:
+    """Raise :class:`StrategyNotSupported` naming the missing driver, if it is missing."""
+    if not psycopg3():
+        from django_dlock.exceptions import StrategyNotSupported
+
+        raise StrategyNotSupported(
+            f"{what} needs psycopg 3, which is not installed (Django runs PostgreSQL "
+            f"on psycopg2 here): install the postgresql extra, `{PSYCOPG_INSTALL}` in "
+            "a checkout of django-dlock, or use the lease strategy"
+        )
+
+
 def pg_locks_ids(key: Key) -> tuple[int, int, int]:
     """Where ``key`` shows in ``pg_locks``: ``(classid, objid, objsubid)``.
 

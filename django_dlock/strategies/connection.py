@@ -28,6 +28,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
 from django_dlock.exceptions import DatabaseUnavailable, NotMigrated
+from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.deadline import (
     STATEMENT_FLOOR,
     Abandoned,
@@ -371,6 +372,7 @@ def execute(
     """
     if (
         connection.vendor == "postgresql"
+        and psycopg3()  # (else Django runs PostgreSQL on psycopg2: its cursor)
         and not connection.queries_logged
         and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
         and not _behind_pooler(connection)

@@ -19,6 +19,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
+from django_dlock.strategies._pg import require_psycopg3
 from django_dlock.strategies.base import Grant, Request, Strategy
 
 
@@ -61,6 +62,8 @@ class ByVendor:
 
     def _for(self, alias: str) -> Strategy:
         vendor = self._vendor(alias)
+        if vendor == "postgresql":  # its sessions are psycopg 3 connections of its own
+            require_psycopg3(f"the {self.name} strategy on PostgreSQL")
         found = self.for_vendor(vendor)
         if found is None:
             raise StrategyNotSupported(

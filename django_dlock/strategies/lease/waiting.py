@@ -25,6 +25,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies import queue
+from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.lease.acquire import try_acquire
 from django_dlock.strategies.lease.sql import TABLE, WAITERS, read
@@ -68,8 +69,9 @@ class Outage:
 
 
 def listener(alias: str) -> notify.Listener | None:
-    """The alias's NOTIFY listener on PostgreSQL; ``None`` elsewhere (waiters poll)."""
-    if connections[alias].vendor != "postgresql":
+    """The alias's NOTIFY listener on PostgreSQL; ``None`` elsewhere, and without
+    psycopg 3, which the listener's connection needs (waiters poll)."""
+    if connections[alias].vendor != "postgresql" or not psycopg3():
         return None
     return notify.listener(alias)
 
