@@ -106,6 +106,7 @@ def _refuse_in_event_loop(lock: Lock, call: str, instead: str) -> None:
     ``SynchronousOnlyOperation`` raised deep in the lock's first query;
     this says which async call to use instead, before anything runs. Like
     Django, it allows the call when ``DJANGO_ALLOW_ASYNC_UNSAFE`` is set.
+    (``held()`` and ``owned()`` need no check: they query off the loop.)
     ``asyncio._get_running_loop()`` (``None`` outside a loop) costs about
     0.1 µs; ``get_running_loop()`` raises there and costs several times more.
     """
@@ -349,7 +350,6 @@ class Lock:
         that has run out or was taken over is reported lost and not held.
         A lost lock is never reported as held.
         """
-        _refuse_in_event_loop(self, "held()", "`await lk.aheld()`")
         return self._held_by(current_holder(), off_loop=True)
 
     async def aheld(self) -> bool:
@@ -604,7 +604,6 @@ class Lock:
             DatabaseUnavailable: the database could not be reached (nothing
                 is reported lost).
         """
-        _refuse_in_event_loop(self, "owned()", "`await lk.aowned()`")
         found = self._holdings(holder)
         if len(found) != len(self.keys) or any(h.lost for h in found):
             return False

@@ -121,7 +121,6 @@ SYNC_CALLS = {
     "release": lambda lk: lk.release(),
     "extend": lambda lk: lk.extend(),
     "locked": lambda lk: lk.locked(),
-    "owned": lambda lk: lk.owned(),
     "enqueue": lambda lk: lk.enqueue(),
     "wait": lambda lk: lk.wait(timeout=0),
 }
@@ -153,12 +152,15 @@ def test_sync_call_from_async_code_with_django_allow_async_unsafe(alias, monkeyp
     assert not LockRow.objects.using(alias).held().exists()  # released on leaving
 
 
-def test_async_calls_still_work_from_async_code(alias):
+def test_async_calls_still_work_from_async_code(alias, monkeypatch):
+    monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE", raising=False)
+
     async def main():
         async with dlock.lock("k", using=alias, timeout=0) as lk:
-            return await lk.aheld()
+            # held() and owned() are sync, but query off the loop: allowed
+            return await lk.aheld(), lk.held(), lk.owned(), await lk.aowned()
 
-    assert asyncio.run(main()) is True
+    assert asyncio.run(main()) == (True, True, True, True)
 
 
 # -- transaction-scoped strategies outside a transaction -------------------------
