@@ -118,7 +118,8 @@ class LeaderElection(Campaign):
             raise StrategyNotSupported(
                 f"the advisory election needs PostgreSQL; database {self.alias!r} is "
                 f"{connections[self.alias].vendor}: use the lease strategy "
-                '(strategy="lease", runworker --strategy lease), which works on every database'
+                '(strategy="lease", dlock_runworker --strategy lease), which works on every '
+                "database"
             )
         self._backend: _Backend
         if quorum is not None:

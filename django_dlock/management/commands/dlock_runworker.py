@@ -1,10 +1,17 @@
-"""``manage.py runworker``: run jobs on the elected leader only.
+"""``manage.py dlock_runworker``: run jobs on the elected leader only.
 
 Start it on every machine; one of them leads and runs the jobs, the others
 stand by and take over when it stops or dies::
 
-    python manage.py runworker --job myapp.jobs.send_reminders --interval 30
-    python manage.py runworker            # the jobs of DLOCK_WORKER_JOBS
+    python manage.py dlock_runworker --job myapp.jobs.send_reminders --interval 30
+    python manage.py dlock_runworker      # the jobs of DLOCK_WORKER_JOBS
+
+``manage.py runworker`` is an alias (the same command class, see
+``runworker.py``). Django Channels has a ``runworker`` command too: when
+both apps are installed, the app listed first in ``INSTALLED_APPS`` owns
+``runworker``, while ``dlock_runworker`` is always this one. The election's
+default name stays ``"runworker"`` (lock ``leader:runworker``), so workers
+started under either name campaign in the same election.
 
 SIGTERM / SIGINT: the running job finishes, the worker steps down (a standby
 takes over at once) and exits with status 0. A second signal does not wait.
