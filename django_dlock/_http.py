@@ -27,7 +27,12 @@ from asgiref.sync import async_to_sync, iscoroutinefunction
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 from django_dlock._threads import start_db_thread
-from django_dlock.exceptions import InvalidLockKey, LockTimeout
+from django_dlock.exceptions import (
+    InvalidLockKey,
+    KeyTemplateError,
+    LockTimeout,
+    MissingKeyArgument,
+)
 from django_dlock.identity import Holder, current_holder, current_task
 from django_dlock.keys import make_key
 
@@ -38,8 +43,6 @@ __all__ = [
     "Contention",
     "ContentionPolicy",
     "KeyTemplate",
-    "KeyTemplateError",
-    "MissingKeyArgument",
     "aanswer_contention",
     "acall_holding",
     "aguarded_call",
@@ -60,18 +63,6 @@ ContentionPolicy = int | str | Callable[["Contention"], Any]
 
 #: what the guarded call must give back: the lock and the holder that took it
 Held = tuple["Lock", Holder]
-
-
-class KeyTemplateError(InvalidLockKey):
-    """A key template is malformed, or uses more than plain argument names."""
-
-
-class MissingKeyArgument(KeyTemplateError, LookupError):
-    """A key template names an argument that the call does not have.
-
-    Raised instead of filling the gap with an empty value, which would make
-    every such call share one lock.
-    """
 
 
 # -- key templates -----------------------------------------------------------

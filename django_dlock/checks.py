@@ -71,7 +71,7 @@ def check_middleware_rules(**kwargs: Any) -> list[CheckMessage]:
 
 @register(Tags.compatibility)
 def check_worker_jobs(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E030-E033: ``DLOCK_WORKER_JOBS`` (jobs of ``manage.py runworker``)."""
+    """dlock.E030-E033: ``DLOCK_WORKER_JOBS`` (jobs of ``manage.py dlock_runworker``)."""
     from django_dlock.jobs import setting_problems
 
     hint = 'Each entry is "dotted.path" or {"job": "dotted.path", "interval": seconds}.'

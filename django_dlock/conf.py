@@ -105,7 +105,7 @@ class Settings:
 
     @property
     def WORKER_JOBS(self) -> object:  # noqa: N802
-        """Jobs of ``manage.py runworker`` (validated by dlock.E030-E033)."""
+        """Jobs of ``manage.py dlock_runworker`` (validated by dlock.E030-E033)."""
         return self._get("DLOCK_WORKER_JOBS")
 
     @property

@@ -35,17 +35,15 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from django.db import connections
 from django.http import HttpRequest
 
 # Key templates and contention answers live in django_dlock._http; their
-# names stay importable from here, where the documentation puts them.
+# names stay importable from here, where the documentation puts them. The
+# key template errors are in django_dlock.exceptions (also importable here).
 from django_dlock._http import (
     Contention,
     ContentionPolicy,
     KeyTemplate,
-    KeyTemplateError,
-    MissingKeyArgument,
     aanswer_contention,
     aguarded_call,
     answer_contention,
@@ -56,9 +54,10 @@ from django_dlock._http import (
     release_on_close,
     resource_of,
 )
-from django_dlock.exceptions import StrategyNotSupported
+from django_dlock.exceptions import KeyTemplateError, MissingKeyArgument, StrategyNotSupported
 from django_dlock.locks import Lock
 from django_dlock.validation import (
+    alias_error,
     contention_policy_error,
     retry_after_error,
     strategy_error,
@@ -108,9 +107,7 @@ def options_error(
     for problem in (
         ttl_error(ttl) if ttl is not None else None,
         timeout_error(timeout),
-        f"unknown database alias {using!r}"
-        if using is not None and using not in connections
-        else None,
+        alias_error(using) if using is not None else None,
     ):
         if problem is not None:
             return ValueError(problem)

@@ -8,18 +8,24 @@ are translated into these classes, never leaked.
 
 from __future__ import annotations
 
+from django.core.exceptions import SynchronousOnlyOperation
+
 __all__ = [
     "DLockError",
     "DatabaseUnavailable",
     "InvalidLockKey",
+    "KeyTemplateError",
     "LockLost",
     "LockNotOwned",
     "LockReentrantError",
     "LockTimeout",
+    "MissingKeyArgument",
     "NotMigrated",
     "QuorumUnavailable",
     "SessionBusy",
     "StrategyNotSupported",
+    "SyncInAsyncContext",
+    "TransactionRequired",
 ]
 
 
@@ -93,9 +99,54 @@ class NotMigrated(DLockError):
     """
 
 
+class TransactionRequired(DLockError):
+    """A transaction-scoped lock (``advisory_xact``, ``row``) was acquired
+    outside a transaction.
+
+    Such a lock lasts until the end of the current transaction, so there
+    must be one on the lock's database: wrap the code in
+    ``with transaction.atomic(using=...):``, or use
+    :func:`~django_dlock.lock_and_atomic`, which opens the transaction and
+    takes the lock in it. Nothing was sent to the database.
+    """
+
+
+class SyncInAsyncContext(DLockError, SynchronousOnlyOperation):
+    """A synchronous lock call (``with``, ``acquire()``, ``release()`` ...)
+    was made from async code.
+
+    In a thread that runs an event loop Django refuses synchronous database
+    access, and a lock waiting there would block every task of the loop.
+    Use the async forms instead: ``async with dlock.lock(...)``,
+    ``await lk.aacquire()``, ``await lk.arelease()`` and so on (or run the
+    synchronous code with ``asgiref.sync.sync_to_async``). Nothing was sent
+    to the database.
+
+    It is also a Django ``SynchronousOnlyOperation``, so handlers of that
+    error catch it. Like Django, django-dlock allows the call when the
+    ``DJANGO_ALLOW_ASYNC_UNSAFE`` environment variable is set.
+    """
+
+
 class StrategyNotSupported(DLockError):
     """The strategy is unknown, or the database cannot do it."""
 
 
 class InvalidLockKey(DLockError, ValueError):
     """The key is empty, too long, of a wrong type or out of range."""
+
+
+class KeyTemplateError(InvalidLockKey):
+    """A key template is malformed, or uses more than plain argument names.
+
+    Raised by :func:`~django_dlock.decorators.with_lock` and the lock
+    middleware when the template is given, before any request.
+    """
+
+
+class MissingKeyArgument(KeyTemplateError, LookupError):
+    """A key template names an argument that the call does not have.
+
+    Raised instead of filling the gap with an empty value, which would make
+    every such call share one lock.
+    """

@@ -1,4 +1,4 @@
-"""Jobs for ``manage.py runworker``: loading, the leader's job loop, built-in jobs.
+"""Jobs for ``manage.py dlock_runworker``: loading, the leader's job loop, built-in jobs.
 
 A job is a callable that takes no arguments, named by its dotted path. The
 worker runs each job every ``interval`` seconds, on the leader only: first
@@ -6,7 +6,7 @@ right after it becomes leader, then ``interval`` seconds after each start
 (a job that overruns its interval runs again at once; jobs never overlap,
 they run one after another in the leader's thread).
 
-``DLOCK_WORKER_JOBS`` lists the jobs of ``runworker`` when no ``--job`` is
+``DLOCK_WORKER_JOBS`` lists the jobs of ``dlock_runworker`` when no ``--job`` is
 given; each entry is a dotted path (run every ``--interval`` seconds) or a
 dict ``{"job": "dotted.path", "interval": seconds}``::
 
@@ -272,10 +272,10 @@ def run_isolated_jobs(
     step_down: bool,
     leadership: Leadership,
 ) -> None:
-    """The job loop of ``runworker --isolate``, in the child process of a term.
+    """The job loop of ``dlock_runworker --isolate``, in the child process of a term.
 
     ``specs`` are ``(dotted path, interval)`` pairs; lines go to this
-    process's stdout and stderr, as ``runworker`` prints them.
+    process's stdout and stderr, as ``dlock_runworker`` prints them.
     """
     import sys
     import traceback
@@ -314,7 +314,7 @@ def cleanup() -> int:
     Runs :func:`django_dlock.cleanup.delete_free` on the database of the
     :class:`~django_dlock.models.Lock` model. Add
     ``"django_dlock.jobs.cleanup"`` to ``DLOCK_WORKER_JOBS`` (or run
-    ``runworker --job django_dlock.jobs.cleanup``). Returns the rows deleted.
+    ``dlock_runworker --job django_dlock.jobs.cleanup``). Returns the rows deleted.
     """
     from django_dlock.cleanup import delete_free
     from django_dlock.conf import lock_alias

@@ -49,7 +49,6 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
 from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
@@ -58,16 +57,17 @@ from django_dlock._http import (
     Contention,
     ContentionPolicy,
     KeyTemplate,
-    KeyTemplateError,
     aanswer_contention,
     acall_holding,
     answer_contention,
     call_holding,
 )
 from django_dlock.conf import conf
+from django_dlock.exceptions import KeyTemplateError
 from django_dlock.identity import Holder, current_holder
 from django_dlock.locks import Lock
 from django_dlock.validation import (
+    alias_error,
     contention_policy_error,
     retry_after_error,
     strategy_error,
@@ -250,8 +250,8 @@ def _rule_problems(index: int, raw: object) -> list[tuple[str, str]]:
         retry_after_error(raw["retry_after"]) if "retry_after" in raw else None,
     ]
     using = raw.get("using")
-    if using is not None and using not in connections:
-        option_problems.append(f"unknown database alias {using!r}")
+    if using is not None:
+        option_problems.append(alias_error(using))
     name = raw.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         option_problems.append(f"name must be a non-empty string, got {name!r}")

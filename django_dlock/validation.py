@@ -14,6 +14,7 @@ __all__ = [
     "JITTER",
     "MAX_SECONDS",
     "STRATEGIES",
+    "alias_error",
     "bool_error",
     "contention_policy_error",
     "direct_databases_error",
@@ -93,6 +94,19 @@ def strategy_error(value: object) -> str | None:
     if value not in STRATEGIES:
         return f"unknown strategy {value!r}; choose one of {', '.join(STRATEGIES)}"
     return None
+
+
+def alias_error(alias: object, where: str = "") -> str | None:
+    """Return why ``alias`` is not a database alias (naming the known ones), or ``None``.
+
+    ``where`` is added after the alias, e.g. ``" in using=[...]"``.
+    """
+    from django.db import connections
+
+    if isinstance(alias, str) and alias in connections:
+        return None
+    known = ", ".join(connections) or "none"
+    return f"unknown database alias {alias!r}{where} (known: {known})"
 
 
 def direct_databases_error(value: object) -> str | None:

@@ -84,7 +84,7 @@ DLOCK_MIDDLEWARE_RULES = [
     {"path": r"^/checkout/$", "methods": ["POST"], "key": "checkout:{user}", "name": "checkout"},
 ]
 
-# manage.py runworker: jobs that run on the elected leader only.
+# manage.py dlock_runworker: jobs that run on the elected leader only.
 DLOCK_WORKER_JOBS = [
     {"job": "testproject.demo.jobs.heartbeat", "interval": 10},
     {"job": "django_dlock.jobs.cleanup", "interval": 3600},

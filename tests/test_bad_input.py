@@ -6,9 +6,11 @@ lock table's row count (unchanged).
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
+from django.core.exceptions import SynchronousOnlyOperation
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
@@ -109,3 +111,123 @@ def test_row_strategy_refused_on_sqlite():
         lambda: dlock.lock("k", using="sqlite", strategy="row").acquire(timeout=0),
         dlock.StrategyNotSupported,
     )
+
+
+# -- sync calls from async code -------------------------------------------------
+
+SYNC_CALLS = {
+    "with": lambda lk: lk.__enter__(),
+    "acquire": lambda lk: lk.acquire(timeout=0),
+    "release": lambda lk: lk.release(),
+    "extend": lambda lk: lk.extend(),
+    "locked": lambda lk: lk.locked(),
+    "enqueue": lambda lk: lk.enqueue(),
+    "wait": lambda lk: lk.wait(timeout=0),
+}
+
+
+@pytest.mark.parametrize("call", SYNC_CALLS)
+def test_sync_call_from_async_code_is_a_named_error(alias, call, monkeypatch):
+    monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE", raising=False)
+
+    async def main():
+        SYNC_CALLS[call](dlock.lock("k", using=alias))
+
+    _untouched(alias, lambda: asyncio.run(main()), dlock.SyncInAsyncContext)
+    with pytest.raises(SynchronousOnlyOperation) as info:  # Django's handlers still catch it
+        asyncio.run(main())
+    assert isinstance(info.value, dlock.DLockError)
+    assert "async with dlock.lock(" in str(info.value)
+    assert "await lk.a" in str(info.value) or "sync_to_async" in str(info.value)
+
+
+def test_sync_call_from_async_code_with_django_allow_async_unsafe(alias, monkeypatch):
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+    async def main():
+        with dlock.lock("k", using=alias, timeout=0) as lk:
+            return lk.held()
+
+    assert asyncio.run(main()) is True
+    assert not LockRow.objects.using(alias).held().exists()  # released on leaving
+
+
+def test_async_calls_still_work_from_async_code(alias, monkeypatch):
+    monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE", raising=False)
+
+    async def main():
+        async with dlock.lock("k", using=alias, timeout=0) as lk:
+            # held() and owned() are sync, but query off the loop: allowed
+            return await lk.aheld(), lk.held(), lk.owned(), await lk.aowned()
+
+    assert asyncio.run(main()) == (True, True, True, True)
+
+
+# -- transaction-scoped strategies outside a transaction -------------------------
+
+
+@pytest.mark.parametrize(
+    ("alias", "strategy"),
+    [("default", "advisory_xact"), ("default", "row"), ("mysql", "row")],
+)
+def test_transaction_scoped_strategy_outside_a_transaction(alias, strategy):
+    lk = dlock.lock("k", using=alias, strategy=strategy)
+    _untouched(alias, lambda: lk.acquire(timeout=0), dlock.TransactionRequired)
+    with pytest.raises(dlock.TransactionRequired) as info:
+        asyncio.run(lk.aacquire(timeout=0))
+    message = str(info.value)
+    assert f"transaction.atomic(using={alias!r})" in message
+    assert "lock_and_atomic(" in message
+    assert isinstance(info.value, dlock.DLockError)
+
+
+# -- key templates ----------------------------------------------------------------
+
+
+def test_key_template_errors_are_public(alias):
+    from django_dlock import exceptions
+    from django_dlock.decorators import with_lock
+
+    assert dlock.KeyTemplateError is exceptions.KeyTemplateError
+    assert dlock.MissingKeyArgument is exceptions.MissingKeyArgument
+    assert {"KeyTemplateError", "MissingKeyArgument"} <= set(exceptions.__all__)
+    assert {"KeyTemplateError", "MissingKeyArgument"} <= set(dlock.__all__)
+    with pytest.raises(dlock.KeyTemplateError, match="only plain argument names"):
+        with_lock("invoice:{invoice.pk}", using=alias)
+
+    @with_lock("invoice:{invoice_id}", using=alias)
+    def pay(**kwargs):
+        return "paid"
+
+    _untouched(alias, lambda: pay(order_id=1), dlock.MissingKeyArgument)
+
+
+# -- unknown database aliases -------------------------------------------------------
+
+
+def _leader(using):
+    return dlock.LeaderElection("x", using=using)
+
+
+def _with_lock(using):
+    from django_dlock.decorators import with_lock
+
+    return with_lock("k", using=using)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda using: dlock.lock("k", using=using),
+        lambda using: dlock.lock("k", using=["default", using]),
+        lambda using: dlock.TaskLock("k", using=using),
+        _leader,
+        _with_lock,
+    ],
+    ids=["lock", "quorum", "tasklock", "leader", "with_lock"],
+)
+def test_unknown_database_alias_lists_the_known_ones(make):
+    with pytest.raises(ValueError, match="unknown database alias 'no-such-db'") as info:
+        make("no-such-db")
+    known = ", ".join(connections)
+    assert f"(known: {known})" in str(info.value)

@@ -31,6 +31,7 @@ def test_safe_commands_run(command):
         "pip install django-dlock",
         'pip install -e ".[dev]" && python manage.py dlock_demo',
         "python manage.py runworker",
+        "python manage.py dlock_runworker",
         "python manage.py runserver",
         "echo hi; rm -rf /tmp/x",
         "apt-get install chromium",

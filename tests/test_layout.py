@@ -16,11 +16,14 @@ from .helpers import wait_until
 
 
 def test_moved_names_stay_importable_from_their_documented_homes():
-    from django_dlock import _http, conf, decorators, leader, validation
+    from django_dlock import _http, conf, decorators, exceptions, leader, validation
     from django_dlock.leader import campaign
 
-    for name in ("Contention", "KeyTemplate", "KeyTemplateError", "MissingKeyArgument"):
+    for name in ("Contention", "KeyTemplate"):
         assert getattr(decorators, name) is getattr(_http, name)
+    for name in ("KeyTemplateError", "MissingKeyArgument"):
+        assert getattr(decorators, name) is getattr(exceptions, name)
+        assert name not in _http.__all__
     assert decorators.locked_response is _http.locked_response
     assert decorators.fit_key is _http.fit_key
     for name in ("ttl_error", "timeout_error", "strategy_error", "MAX_SECONDS", "STRATEGIES"):

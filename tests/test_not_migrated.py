@@ -55,7 +55,7 @@ def test_check_database_is_quiet_once_migrated(alias):
 
 def test_runworker_exits_with_status_1(unmigrated):
     with pytest.raises(CommandError, match=_hint(unmigrated)) as raised:
-        call_command("runworker", "--job", "os.getcwd", "--using", unmigrated, verbosity=0)
+        call_command("dlock_runworker", "--job", "os.getcwd", "--using", unmigrated, verbosity=0)
     assert raised.value.returncode == 1
 
 

@@ -98,7 +98,7 @@ def test_the_advisory_strategy_cannot_lead_on_a_quorum():
         dlock.LeaderElection("bad", using=QUORUM, strategy="advisory")
     with pytest.raises(CommandError, match="more than once"):
         call_command(
-            "runworker", "--job", "tests.jobs.hello", "--using", "q1,q2,q1", stdout=StringIO()
+            "dlock_runworker", "--job", "tests.jobs.hello", "--using", "q1,q2,q1", stdout=StringIO()
         )
 
 

@@ -1,6 +1,6 @@
-"""``manage.py runworker``: real worker processes on one election.
+"""``manage.py dlock_runworker`` (alias ``runworker``): real worker processes on one election.
 
-Workers are started as ``python -m django runworker ...`` on the test
+Workers are started as ``python -m django dlock_runworker ...`` on the test
 databases (``DLOCK_TEST_CHILD=1``). Waits are bounded ("within N seconds" is
 a bound on a wait, never a speed assertion).
 """
@@ -18,7 +18,7 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
-from django.core.management import call_command
+from django.core.management import call_command, get_commands, load_command_class
 from django.core.management.base import CommandError
 from django.test.utils import override_settings
 
@@ -55,7 +55,7 @@ def child_env(runs: str | None = None) -> dict[str, str]:
 
 
 class Worker:
-    """A ``runworker`` process whose output lines are collected as they come."""
+    """A ``dlock_runworker`` process whose output lines are collected as they come."""
 
     def __init__(
         self,
@@ -64,7 +64,7 @@ class Worker:
         python: list[str] | None = None,
         env: dict[str, str] | None = None,
     ):
-        command = python or [sys.executable, "-m", "django", "runworker", *args]
+        command = python or [sys.executable, "-m", "django", "dlock_runworker", *args]
         self.proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
@@ -288,7 +288,8 @@ def test_verbosity(verbosity, tmp_path):
 
 
 @db
-def test_jobs_from_the_setting(tmp_path):
+@pytest.mark.parametrize("command", ["dlock_runworker", "runworker"])
+def test_jobs_from_the_setting(tmp_path, command):
     runs = str(tmp_path / "runs.jsonl")
     script = (
         "import django; django.setup()\n"
@@ -296,7 +297,7 @@ def test_jobs_from_the_setting(tmp_path):
         "from django.test.utils import override_settings\n"
         "with override_settings(DLOCK_WORKER_JOBS=["
         "{'job': 'tests.jobs.record_term', 'interval': 0.1}, 'tests.jobs.hello']):\n"
-        "    call_command('runworker', '--election', 'setting', '-v', '2',"
+        f"    call_command({command!r}, '--election', 'setting', '-v', '2',"
         " '--lease', '2', '--renew-deadline', '1.5', '--retry', '0.4')\n"
     )
     worker = Worker(python=[sys.executable, "-c", script], runs=runs)
@@ -308,6 +309,53 @@ def test_jobs_from_the_setting(tmp_path):
         worker.kill()
     assert any("tests.jobs.hello every 60 s" in line for line in worker.lines())
     assert any(line.startswith("ran tests.jobs.hello") for line in worker.lines())
+
+
+# -- the command's names ----------------------------------------------------------------------
+
+
+def test_runworker_is_an_alias_of_dlock_runworker():
+    from django_dlock.management.commands import dlock_runworker, runworker
+
+    assert runworker.Command is dlock_runworker.Command
+    commands = get_commands()
+    assert commands["dlock_runworker"] == commands["runworker"] == "django_dlock"
+    for name in ("dlock_runworker", "runworker"):
+        assert type(load_command_class("django_dlock", name)) is dlock_runworker.Command
+
+
+@pytest.mark.parametrize("command", ["dlock_runworker", "runworker"])
+def test_both_names_run_the_same_command(command):
+    with pytest.raises(CommandError, match="unknown database alias 'nope' \\(known: default, "):
+        call_command(command, "--job", "tests.jobs.hello", "--using", "nope", stdout=StringIO())
+    with pytest.raises(CommandError, match="no jobs to run"):
+        call_command(command, stdout=StringIO())
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["other-app-first", "other-app-last"])
+def test_another_apps_runworker_never_hides_dlock_runworker(first):
+    """Django Channels has a ``runworker`` command too: the app listed first in
+    INSTALLED_APPS owns ``runworker``; ``dlock_runworker`` is always ours."""
+    from django.conf import settings
+
+    from django_dlock.management.commands import dlock_runworker
+
+    other = "tests.fake_channels"
+    installed = list(settings.INSTALLED_APPS)
+    installed = [other, *installed] if first else [*installed, other]
+    with override_settings(INSTALLED_APPS=installed):
+        commands = get_commands()
+        assert commands["dlock_runworker"] == "django_dlock"
+        assert commands["runworker"] == (other if first else "django_dlock")
+        command = load_command_class(commands["runworker"], "runworker")
+        assert (type(command) is dlock_runworker.Command) is not first
+        out = StringIO()
+        if first:
+            call_command("runworker", stdout=out)
+            assert out.getvalue() == "the other app's runworker\n"
+        with pytest.raises(CommandError, match="unknown database alias 'nope'"):
+            call_command("dlock_runworker", "--job", "tests.jobs.hello", "--using", "nope")
+    assert get_commands()["runworker"] == "django_dlock"
 
 
 # -- bad configuration fails fast ---------------------------------------------------------------
@@ -329,7 +377,7 @@ def test_jobs_from_the_setting(tmp_path):
 )
 def test_bad_configuration_exits_non_zero_with_a_clear_message(args, message):
     done = subprocess.run(
-        [sys.executable, "-m", "django", "runworker", *args],
+        [sys.executable, "-m", "django", "dlock_runworker", *args],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -366,7 +414,7 @@ def test_bad_configuration_exits_non_zero_with_a_clear_message(args, message):
 )
 def test_bad_arguments_raise_command_error(args, message):
     with pytest.raises(CommandError) as info:
-        call_command("runworker", *args, stdout=StringIO(), stderr=StringIO())
+        call_command("dlock_runworker", *args, stdout=StringIO(), stderr=StringIO())
     assert message in str(info.value)
 
 
@@ -375,7 +423,7 @@ def test_bad_arguments_raise_command_error(args, message):
 def test_advisory_needs_postgresql_and_the_message_suggests_what_runs(option, alias):
     with pytest.raises(CommandError, match="PostgreSQL") as info:
         call_command(
-            "runworker",
+            "dlock_runworker",
             "--job",
             "tests.jobs.hello",
             "--strategy",
@@ -389,7 +437,7 @@ def test_advisory_needs_postgresql_and_the_message_suggests_what_runs(option, al
     # what it suggests is what runworker accepts
     suggested = message.partition("use the ")[2].split()[0]
     with pytest.raises(CommandError, match="cannot use the strategy 'row'"):
-        call_command("runworker", "--job", "tests.jobs.hello", "--strategy", "row")
+        call_command("dlock_runworker", "--job", "tests.jobs.hello", "--strategy", "row")
     assert suggested == "lease" and "row" not in message
 
 

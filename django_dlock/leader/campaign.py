@@ -313,7 +313,7 @@ class Campaign:
         )
         if not ok:
             if isinstance(result, NotMigrated):
-                raise result  # no attempt can succeed: the election fails (runworker exits 1)
+                raise result  # no attempt can succeed: the election fails (dlock_runworker exits 1)
             logger.warning("django-dlock: %s: campaign attempt failed: %r", self.key.name, result)
             return self._jittered()
         if result is not None:

@@ -23,7 +23,7 @@ from django_dlock.leader.leadership import LeaderRecord, Leadership, _now
 from django_dlock.leader.quorum import QuorumBackend
 from django_dlock.leader.workers import Dispatcher
 from django_dlock.strategies.quorum import quorum_aliases
-from django_dlock.validation import JITTER, validate_timing
+from django_dlock.validation import JITTER, alias_error, validate_timing, validated
 
 T = TypeVar("T")
 
@@ -102,8 +102,8 @@ class LeaderElection(Campaign):
                 )
             using = quorum[0] if len(quorum) == 1 else None
             quorum = None if len(quorum) == 1 else quorum
-        if using is not None and using not in connections:
-            raise ValueError(f"unknown database alias {using!r}")
+        if using is not None:
+            validated(alias_error(using))
         if identity is not None and (not isinstance(identity, str) or not identity.strip()):
             raise ValueError("identity must be a non-empty string")
         self.strategy = strategy
@@ -118,7 +118,8 @@ class LeaderElection(Campaign):
             raise StrategyNotSupported(
                 f"the advisory election needs PostgreSQL; database {self.alias!r} is "
                 f"{connections[self.alias].vendor}: use the lease strategy "
-                '(strategy="lease", runworker --strategy lease), which works on every database'
+                '(strategy="lease", dlock_runworker --strategy lease), which works on every '
+                "database"
             )
         self._backend: _Backend
         if quorum is not None:

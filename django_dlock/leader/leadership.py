@@ -42,7 +42,7 @@ def current_leadership() -> Leadership | None:
     """The :class:`Leadership` whose target is running in this thread or task.
 
     Set by :meth:`LeaderElection.run` / :meth:`LeaderElection.arun` (and so by
-    ``manage.py runworker`` for its jobs): a job can read its ``term`` to
+    ``manage.py dlock_runworker`` for its jobs): a job can read its ``term`` to
     fence its writes. ``None`` outside a leader's target.
     """
     return _current.get()

@@ -170,7 +170,7 @@ def advisory_locks(using: str) -> list[AdvisoryLock]:
 
 
 #: names whose advisory keys are known without a row: the default election of
-#: ``manage.py runworker`` (``LeaderElection("runworker")``)
+#: ``manage.py dlock_runworker`` (``LeaderElection("runworker")``, its default election)
 KNOWN_NAMES = ("leader:runworker",)
 
 # SQL for the signed 64-bit and 32-bit hashes of keys.hash64 / keys.hash32

@@ -5,8 +5,8 @@ inside the caller's ``transaction.atomic`` block, and the database releases
 it when that transaction ends (commit or rollback), or when the savepoint it
 was taken in is rolled back. Nothing can release it earlier, so:
 
-* acquiring outside ``transaction.atomic`` is a :class:`DLockError` that
-  names the fix (``transaction.atomic`` or :func:`django_dlock.lock_and_atomic`);
+* acquiring outside ``transaction.atomic`` is a :class:`TransactionRequired`
+  that names the fix (``transaction.atomic`` or :func:`django_dlock.lock_and_atomic`);
 * an explicit ``release()`` is a :class:`DLockError`; leaving a ``with``
   block (or a decorated function) ends the holding in Python, and the
   database keeps the lock until the transaction ends;
@@ -37,7 +37,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import DLockError
+from django_dlock.exceptions import DLockError, TransactionRequired
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
 
@@ -118,7 +118,7 @@ class TransactionScoped:
         """The caller's connection, which must be inside ``transaction.atomic``."""
         connection = connections[req.alias]
         if not connection.in_atomic_block:
-            raise DLockError(
+            raise TransactionRequired(
                 f"the {self.name!r} strategy holds {req.key.name!r} until the end of the "
                 f"current transaction, and there is none on database {req.alias!r}: wrap "
                 f"the code in `with transaction.atomic(using={req.alias!r}):` or use "

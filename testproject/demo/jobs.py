@@ -1,8 +1,8 @@
 """Jobs of the example site.
 
-``manage.py runworker`` runs ``heartbeat`` (and the built-in cleanup job) on
-the elected leader only (see ``DLOCK_WORKER_JOBS`` in the settings): start it
-on as many machines as you like, exactly one acts.
+``manage.py dlock_runworker`` runs ``heartbeat`` (and the built-in cleanup
+job) on the elected leader only (see ``DLOCK_WORKER_JOBS`` in the settings):
+start it on as many machines as you like, exactly one acts.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import failover
 
         print("leader failover ...", file=sys.stderr)
-        sections["5. Leader failover (manage.py runworker)"] = [
+        sections["5. Leader failover (manage.py dlock_runworker)"] = [
             *report.failover_table(failover.run(args.kills)),
             "",
             "When the database itself fails over (a private primary and its streaming",

@@ -1,6 +1,6 @@
 """4. Leader failover: how long until a standby leads after the leader dies.
 
-Three ``manage.py runworker`` processes campaign in one election. The leader
+Three ``manage.py dlock_runworker`` processes campaign in one election. The leader
 is killed (SIGKILL: a crash) or stopped (SIGTERM: it steps down), and the
 time from the signal to another worker's ``became leader`` line is measured
 (median of several). A replacement worker keeps three in the race.
@@ -37,7 +37,7 @@ class _Worker:
             "PYTHONUNBUFFERED": "1",
         }
         cmd = [
-            sys.executable, "-m", "django", "runworker",
+            sys.executable, "-m", "django", "dlock_runworker",
             "--job", "tests.benchmarks.failover.noop", "--interval", "60",
             "--election", election, "--strategy", strategy,
             "--lease", str(TIMING["lease"]), "--renew-deadline", str(TIMING["renew_deadline"]),
@@ -124,7 +124,7 @@ def run(kills: int = 5) -> list[Failover]:
 #
 #     python -m tests.benchmarks.failover --using default --using mysql --using sqlite
 #
-# Runs three ``runworker`` processes per (database, strategy) on the test settings
+# Runs three ``dlock_runworker`` processes per (database, strategy) on the test settings
 # (``tests.settings`` as the tests' child processes use it: the ``test_dlock*``
 # databases, created and migrated here if missing) and, for each event, measures the
 # seconds from the event to another worker's "became leader" line (median, min-max).
@@ -158,7 +158,7 @@ class _TableWorker:
             "FAILOVER_GIL_FLAG": flag,
         }
         cmd = [
-            sys.executable, "-m", "django", "runworker",
+            sys.executable, "-m", "django", "dlock_runworker",
             "--job", "tests.benchmarks.failover.maybe_hold_gil", "--interval", "0.2",
             "--election", election, "--strategy", strategy, "--using", alias,
             "--lease", str(FAST["lease"]), "--renew-deadline", str(FAST["renew_deadline"]),

@@ -7,12 +7,13 @@ import time
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DatabaseError, connections
+from django.db import DatabaseError
 
 from django_dlock import cleanup
 from django_dlock.management.base import DlockCommand
 from django_dlock.operations import default_alias
 from django_dlock.strategies.connection import not_migrated, tables_missing
+from django_dlock.validation import alias_error
 
 
 class Command(DlockCommand):
@@ -50,9 +51,9 @@ class Command(DlockCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = options["using"] or default_alias()
-        if using not in connections:
-            known = ", ".join(connections) or "none"
-            raise CommandError(f"unknown database alias {using!r} (known: {known})")
+        problem = alias_error(using)
+        if problem is not None:
+            raise CommandError(problem)
         batch_size = options["batch_size"]
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise CommandError(f"--batch-size must be a whole number >= 1, got {batch_size!r}")

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import connections
 
 from django_dlock import operations as override
 from django_dlock.management.base import DlockCommand
 from django_dlock.strategies import queue
+from django_dlock.validation import alias_error
 
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -45,8 +45,9 @@ def waiter_counts(using: str, names: list[str]) -> dict[str, int]:
 
 def resolve_alias(using: str | None) -> str:
     alias = using or override.default_alias()
-    if alias not in connections:
-        raise CommandError(f"unknown database alias {alias!r} (known: {', '.join(connections)})")
+    problem = alias_error(alias)
+    if problem is not None:
+        raise CommandError(problem)
     return alias
 
 

@@ -19,6 +19,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.strategies.connection import execute
 from django_dlock.strategies.lease import TABLE
+from django_dlock.validation import alias_error, validated
 
 __all__ = [
     "declared",
@@ -111,8 +112,7 @@ def quorum_aliases(using: object) -> tuple[str, ...]:
     for alias in aliases:
         if not isinstance(alias, str):
             raise ValueError(f"using lists database aliases (strings), got {alias!r}")
-        if alias not in connections:
-            raise ValueError(f"unknown database alias {alias!r} in using={list(aliases)!r}")
+        validated(alias_error(alias, f" in using={list(aliases)!r}"))
     duplicates = sorted({alias for alias in aliases if aliases.count(alias) > 1})
     if duplicates:
         raise ValueError(
