@@ -87,7 +87,7 @@ def docs_example_db(
     """Transactional access to the page's database, with the dlock models routed there."""
     from django.test import override_settings
 
-    from django_dlock.strategies.base import close_private_connections
+    from django_dlock.strategies.connection import close_private_connections
 
     problem = _docs["misplaced"].get(request.node.nodeid)
     if problem is not None:

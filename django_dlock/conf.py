@@ -16,14 +16,7 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from django_dlock.exceptions import StrategyNotSupported
-
-# The validators moved to django_dlock.validation; importing them from here
-# keeps working.
 from django_dlock.validation import (
-    MAX_SECONDS,
-    STRATEGIES,
-    bool_error,
-    direct_databases_error,
     retry_interval_error,
     strategy_error,
     timeout_error,
@@ -34,19 +27,11 @@ __all__ = [
     "DEFAULTS",
     "UNSET",
     "FromSetting",
-    "MAX_SECONDS",
-    "STRATEGIES",
     "RetryInterval",
     "Settings",
-    "bool_error",
     "checked",
     "conf",
-    "direct_databases_error",
     "lock_alias",
-    "retry_interval_error",
-    "strategy_error",
-    "timeout_error",
-    "ttl_error",
 ]
 
 #: A retry policy: seconds as a number (jittered) or a function of the

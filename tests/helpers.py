@@ -10,7 +10,7 @@ from typing import Any
 from django.db import connections
 
 from django_dlock import dbclock
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
 
 def in_thread(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ import django_dlock as dlock
 from django_dlock import sessions
 from django_dlock.keys import hash32, make_key
 from django_dlock.strategies.advisory import pg_locks_ids
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
 from . import procs
 from .helpers import in_thread, run_threads, wait_until

@@ -1,4 +1,4 @@
-"""The package layout: old import paths keep working, checks run from one registry,
+"""The package layout: one import path per name, checks run from one registry,
 and database threads close what they opened."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .helpers import wait_until
 
 
 def test_moved_names_stay_importable_from_their_documented_homes():
-    from django_dlock import _http, conf, decorators, exceptions, leader, validation
+    from django_dlock import _http, decorators, exceptions, leader, validation
     from django_dlock.leader import campaign
 
     for name in ("Contention", "KeyTemplate"):
@@ -26,8 +26,6 @@ def test_moved_names_stay_importable_from_their_documented_homes():
         assert name not in _http.__all__
     assert decorators.locked_response is _http.locked_response
     assert decorators.fit_key is _http.fit_key
-    for name in ("ttl_error", "timeout_error", "strategy_error", "MAX_SECONDS", "STRATEGIES"):
-        assert getattr(conf, name) is getattr(validation, name)
     assert leader.validate_timing is validation.validate_timing
     assert leader.JITTER == validation.JITTER == 1.2
     assert leader.EXPIRY_MARGIN is campaign.EXPIRY_MARGIN
@@ -35,7 +33,7 @@ def test_moved_names_stay_importable_from_their_documented_homes():
 
 def test_the_advisory_modules_stay_importable_from_their_former_homes():
     from django_dlock import sessions, strategies
-    from django_dlock.strategies import advisory, advisory_mysql
+    from django_dlock.strategies import advisory
     from django_dlock.strategies.advisory import executor, mysql, pool, postgresql, session, vendors
 
     assert sessions.close_all is pool.close_all
@@ -45,7 +43,6 @@ def test_the_advisory_modules_stay_importable_from_their_former_homes():
     assert advisory.pg_locks_ids is postgresql.pg_locks_ids
     assert advisory.PG_LOCKS_MATCH is postgresql.PG_LOCKS_MATCH
     assert advisory.advisory is postgresql.advisory
-    assert advisory_mysql.lock_name is mysql.lock_name
     registered = strategies.get_strategy("advisory")
     assert registered is vendors.advisory
     assert vendors.advisory.for_vendor("postgresql") is postgresql.advisory
@@ -120,30 +117,18 @@ def test_a_serial_thread_runs_calls_in_order_then_closes_its_connection():
     wait_until(lambda: _backend_gone(pids[0]))
 
 
-def test_lock_connection_and_pooler_deadline_names_stay_importable_from_strategies_base():
-    from django_dlock.strategies import base, connection, deadline
+def test_one_import_path_per_name_no_former_homes():
+    import importlib
 
-    for name in (
-        "close_private_connections",
-        "cursor",
-        "direct_alias",
-        "execute",
-        "fetch_one",
-        "lock_connection",
-        "require_postgresql",
-        "uses_django_pool",
-        "with_reconnect",
-    ):
-        assert getattr(base, name) is getattr(connection, name)
-    for name in (
-        "Abandoned",
-        "STATEMENT_FLOOR",
-        "behind_pooler",
-        "guard_statements",
-        "statement_deadline",
-        "unwatched",
-    ):
-        assert getattr(base, name) is getattr(deadline, name)
+    from django_dlock import conf
+    from django_dlock.strategies import base
+
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("django_dlock.strategies.advisory_mysql")
+    for name in ("lock_connection", "close_private_connections", "Abandoned", "behind_pooler"):
+        assert not hasattr(base, name), name  # their home: strategies.connection / .deadline
+    for name in ("ttl_error", "strategy_error", "MAX_SECONDS", "STRATEGIES"):
+        assert name not in conf.__all__, name  # their home: django_dlock.validation
 
 
 def test_the_models_and_the_sql_take_their_table_names_from_one_module():

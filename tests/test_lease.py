@@ -272,7 +272,7 @@ def test_inside_atomic_the_lock_commits_on_its_own(alias):
         dlock.lock("rolled", using=alias).acquire()
         _ = 1 / 0
     assert dlock.lock("rolled", using=alias).locked()  # not undone by the rollback
-    from django_dlock.strategies.base import close_private_connections
+    from django_dlock.strategies.connection import close_private_connections
 
     close_private_connections()
 

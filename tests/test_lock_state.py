@@ -24,7 +24,7 @@ from django_dlock import signals
 from django_dlock.decorators import fit_key
 from django_dlock.keys import MAX_NAME_LENGTH, make_key
 from django_dlock.models import Lock as LockRow
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
 from .helpers import in_thread, row, wait_until
 

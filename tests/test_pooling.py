@@ -29,7 +29,7 @@ from django_dlock.checks import database_messages
 from django_dlock.keys import make_key
 from django_dlock.strategies import queue
 from django_dlock.strategies.advisory import pg_locks_ids
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
 from . import pgbouncer, procs
 from .helpers import in_thread, run_threads, wait_until
@@ -199,7 +199,7 @@ def _row_lock_creating_its_row(key: str) -> int:
     connection's backend pid (it created the row)."""
     from django.db import transaction
 
-    from django_dlock.strategies.base import lock_connection
+    from django_dlock.strategies.connection import lock_connection
 
     try:
         with transaction.atomic(), dlock.lock(key, strategy="row", timeout=5):

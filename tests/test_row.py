@@ -13,7 +13,7 @@ from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 
 import django_dlock as dlock
-from django_dlock.strategies.base import close_private_connections
+from django_dlock.strategies.connection import close_private_connections
 
 from . import procs
 from .helpers import in_thread, run_threads, wait_until

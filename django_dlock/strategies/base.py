@@ -3,8 +3,7 @@
 
 The helpers strategies share live next to it: lock connections in
 :mod:`django_dlock.strategies.connection`, the client-side statement
-deadline for poolers in :mod:`django_dlock.strategies.deadline`. Their
-names are importable from here as well.
+deadline for poolers in :mod:`django_dlock.strategies.deadline`.
 """
 
 from __future__ import annotations
@@ -17,46 +16,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_dlock.conf import RetryInterval
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
-from django_dlock.strategies.connection import (
-    close_private_connections,
-    cursor,
-    direct_alias,
-    execute,
-    fetch_one,
-    lock_connection,
-    require_postgresql,
-    uses_django_pool,
-    with_reconnect,
-)
-from django_dlock.strategies.deadline import (
-    STATEMENT_FLOOR,
-    Abandoned,
-    behind_pooler,
-    guard_statements,
-    statement_deadline,
-    unwatched,
-)
 
-__all__ = [
-    "STATEMENT_FLOOR",
-    "Abandoned",
-    "Grant",
-    "Request",
-    "Strategy",
-    "behind_pooler",
-    "close_private_connections",
-    "cursor",
-    "direct_alias",
-    "execute",
-    "fetch_one",
-    "guard_statements",
-    "lock_connection",
-    "require_postgresql",
-    "statement_deadline",
-    "unwatched",
-    "uses_django_pool",
-    "with_reconnect",
-]
+__all__ = ["Grant", "Request", "Strategy"]
 
 
 @dataclass(frozen=True)
