@@ -16,7 +16,7 @@ import django_dlock as dlock
 from django_dlock import sessions, signals
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import mysql_session
-from django_dlock.strategies.advisory_mysql import MAX_NAME_LENGTH, lock_name
+from django_dlock.strategies.advisory.mysql import MAX_NAME_LENGTH, lock_name
 from django_dlock.strategies.connection import close_private_connections
 
 from . import procs
