@@ -513,7 +513,7 @@ def test_cleanup_job_deletes_free_rows_only():
 # -- leadership that never overlaps: frozen leaders, dead connections, GIL-bound jobs ----------
 
 #: SIGSTOP/SIGCONT rounds per database: half between two jobs, half during a job
-FREEZE_ROUNDS = 10
+FREEZE_ROUNDS = 4
 #: the fenced job's interval and length (seconds)
 JOB_INTERVAL, JOB_SECONDS = 0.5, 0.3
 
