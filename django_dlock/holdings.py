@@ -240,7 +240,7 @@ def take(
 ) -> Holding:
     """Record ``holding``, just acquired, in the holder's table (and start its renewer)."""
     req, strategy, fence = holding.request, holding.strategy, holding.fence
-    if strategy.name == "lease":
+    if strategy.leased:
         holding.valid_until = sent_at + req.ttl
     slot = holding.slot
     previous = holder.holdings.get(slot)

@@ -50,6 +50,9 @@ class Strategy(Protocol):
     #: held until the caller's transaction ends (``row``, ``advisory_xact``):
     #: needs ``transaction.atomic``, and cannot be released early
     transaction_scoped: bool
+    #: a holding runs out on its own ``ttl`` after the statement that set it
+    #: (``lease``, its quorum): the holder counts its lease from when it sent it
+    leased: bool
 
     def ended(self, req: Request) -> bool:
         """Whether the database has dropped the lock on its own (no query).

@@ -55,7 +55,7 @@ from django_dlock.exceptions import DatabaseUnavailable, DLockError, StrategyNot
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies._pg import MAX_LOCK_TIMEOUT_MS, lock_timeout_ms, sqlstate
-from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.connection import (
     cursor,
     fetch_one,
@@ -331,3 +331,4 @@ class RowStrategy(TransactionScoped):
 
 
 row = RowStrategy()
+_implements_strategy: Strategy = row  # (checked by mypy)

@@ -109,6 +109,7 @@ class TransactionScoped:
     #: read by the front object: ``release()`` is refused, holdings end with
     #: the transaction (see :meth:`ended`)
     transaction_scoped = True
+    leased = False
 
     def loss_reason(self, req: Request) -> str | None:
         """Nothing to add: the lock ended with its transaction."""

@@ -35,7 +35,7 @@ from django_dlock.strategies._pg import (
     pg_locks_ids,
     sqlstate,
 )
-from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.connection import (
     fetch_one,
     in_savepoint,
@@ -152,3 +152,4 @@ class AdvisoryXactStrategy(TransactionScoped):
 
 
 advisory_xact = AdvisoryXactStrategy()
+_implements_strategy: Strategy = advisory_xact  # (checked by mypy)

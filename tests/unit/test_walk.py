@@ -30,6 +30,7 @@ class MemoryStrategy:
     name: str = "memory"
     family: str = "memory"
     transaction_scoped: bool = False
+    leased: bool = False
     held: dict[str, str] = field(default_factory=dict)
     fences: int = 0
     #: every call, in order: ("acquire" | "release", key name)

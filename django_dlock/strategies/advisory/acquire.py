@@ -98,6 +98,7 @@ class SessionAsyncAcquire:
     """
 
     transaction_scoped = False
+    leased = False
     #: the pool the strategy's dedicated sessions come from
     pool_kind: type[Pool] = Pool
 

@@ -48,7 +48,7 @@ from django_dlock.strategies.advisory.session import (
     Session,
     WaitCancelled,
 )
-from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.connection import fetch_one, lock_connection
 
 logger = logging.getLogger("django_dlock")
@@ -209,3 +209,4 @@ class MySQLAdvisoryStrategy(SessionAsyncAcquire):
 
 
 advisory_mysql = MySQLAdvisoryStrategy()
+_implements_strategy: Strategy = advisory_mysql  # (checked by mypy)

@@ -63,7 +63,7 @@ from django_dlock.strategies.advisory.session import (
     Statement,
     WaitCancelled,
 )
-from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.connection import (
     fetch_one,
     lock_connection,
@@ -231,3 +231,4 @@ class AdvisoryStrategy(SessionAsyncAcquire):
 
 
 advisory = AdvisoryStrategy()
+_implements_strategy: Strategy = advisory  # (checked by mypy)

@@ -74,6 +74,7 @@ class ByVendor:
 
     #: advisory locks are session-level on every vendor
     transaction_scoped = False
+    leased = False
 
     def ended(self, req: Request) -> bool:
         return False  # a session lock ends only when released or its session ends
@@ -123,3 +124,4 @@ advisory = ByVendor(
         "mysql": "django_dlock.strategies.advisory.mysql:advisory_mysql",
     },
 )
+_implements_strategy: Strategy = advisory  # (checked by mypy)

@@ -26,7 +26,7 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.connection import (
     cursor,
     execute,
@@ -112,6 +112,7 @@ class LeaseStrategy:
     family = "lease"
     #: a lease outlives the caller's transaction (released or expired, never rolled back)
     transaction_scoped = False
+    leased = True
 
     def ended(self, req: Request) -> bool:
         return False  # a lease ends by release, expiry or takeover, never on its own
@@ -395,3 +396,4 @@ class LeaseStrategy:
 
 
 lease = LeaseStrategy()
+_implements_strategy: Strategy = lease  # (checked by mypy)

@@ -114,6 +114,7 @@ class QuorumLease:
 
     name = "lease"
     transaction_scoped = False
+    leased = True
 
     def __init__(self, aliases: tuple[str, ...], min_hold: float | None = None) -> None:
         self.aliases = aliases
