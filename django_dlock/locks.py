@@ -71,9 +71,9 @@ from django_dlock.identity import Holder, current_holder
 from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy, supported, traits
-from django_dlock.strategies.base import Request, Strategy
+from django_dlock.strategies.base import ExplainsBusy, Request, Strategy
 from django_dlock.strategies.deadline import statement_deadline
-from django_dlock.strategies.lease.strategy import HELD, LeaseStrategy
+from django_dlock.strategies.lease.strategy import HELD
 from django_dlock.validation import (
     alias_error,
     retry_interval_error,
@@ -548,7 +548,7 @@ class Lock(Generic[_OnFailT]):
     def _busy_reason(self, strategy: Strategy, busy: Request) -> str:
         """Why ``busy`` could not be taken, asked only if the message is logged."""
         level = logging.INFO if self.on_fail == "skip" else logging.WARNING
-        if not isinstance(strategy, LeaseStrategy) or not logger.isEnabledFor(level):
+        if not isinstance(strategy, ExplainsBusy) or not logger.isEnabledFor(level):
             return HELD
         if connections[busy.alias].connection is None:
             return HELD  # closed (given up at the deadline): no reconnecting for a log line

@@ -9,7 +9,7 @@ deadline for poolers in :mod:`django_dlock.strategies.deadline`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -17,7 +17,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
-__all__ = ["Grant", "Request", "Strategy"]
+__all__ = ["ExplainsBusy", "Grant", "Request", "Strategy"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,14 @@ class Request:
     owner: str
     ttl: float
     shared: bool = False
+
+
+@runtime_checkable
+class ExplainsBusy(Protocol):
+    """A strategy that can say in words why a key is busy (for the log line of a
+    timed-out acquire): held by someone, or free but kept for queued waiters."""
+
+    def busy_reason(self, alias: str, key: Key) -> str: ...
 
 
 class Strategy(Protocol):
