@@ -37,8 +37,7 @@ from django_dlock.identity import Holder, current_holder, holder_alive
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
 from django_dlock.strategies._pg import psycopg3
-from django_dlock.strategies.base import Grant, Request, Strategy
-from django_dlock.strategies.lease import LeaseStrategy
+from django_dlock.strategies.base import Grant, Request, Strategy, TakesTickets
 
 if TYPE_CHECKING:
     from django_dlock.locks import Lock
@@ -67,7 +66,7 @@ def _two_phase_strategy(lock: Lock, alias: str) -> Strategy:
             "on one database"
         )
     strategy = lock._strategy(alias)
-    if isinstance(strategy, LeaseStrategy):
+    if isinstance(strategy, TakesTickets):
         return strategy
     if connections[alias].vendor == "postgresql" and _advisory_pending(strategy) is not None:
         return strategy
@@ -146,7 +145,7 @@ def enqueue(lock: Lock) -> bool:
     busy = attempt.run(lock.keys, keep=True)
     if busy is None:
         return True
-    ticket = queue.enqueue(busy) if isinstance(strategy, LeaseStrategy) else None
+    ticket = strategy.enqueue(busy) if isinstance(strategy, TakesTickets) else None
     _queue_at(lock, attempt, busy, ticket)
     return False
 
@@ -159,7 +158,7 @@ async def aenqueue(lock: Lock) -> bool:
     busy = await attempt.arun(lock.keys, keep=True)
     if busy is None:
         return True
-    ticket = await strategy.aenqueue(busy) if isinstance(strategy, LeaseStrategy) else None
+    ticket = await strategy.aenqueue(busy) if isinstance(strategy, TakesTickets) else None
     _queue_at(lock, attempt, busy, ticket)
     return False
 
@@ -235,7 +234,7 @@ def wait(lock: Lock, timeout: float | None) -> bool:
             grant = queued.pending.wait(left)
         else:
             strategy = attempt.strategy
-            assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
+            assert isinstance(strategy, TakesTickets) and queued.ticket is not None
             grant = strategy.wait_ticket(queued.req, queued.ticket, deadline, lock.retry_interval)
     except BaseException:
         if queued.pending is not None:
@@ -253,7 +252,7 @@ async def _await_place(lock: Lock, queued: Queued, deadline: Deadline) -> Grant 
     strategy = lock._strategy(queued.req.alias)
     pending = queued.pending
     if pending is None:
-        assert isinstance(strategy, LeaseStrategy) and queued.ticket is not None
+        assert isinstance(strategy, TakesTickets) and queued.ticket is not None
         return await strategy.await_ticket(queued.req, queued.ticket, deadline, lock.retry_interval)
     left = None if deadline.timeout is None else deadline.remaining()
     try:

@@ -17,7 +17,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
-__all__ = ["ExplainsBusy", "Grant", "Request", "Strategy"]
+__all__ = ["ExplainsBusy", "Grant", "Request", "Strategy", "TakesTickets"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,25 @@ class ExplainsBusy(Protocol):
     timed-out acquire): held by someone, or free but kept for queued waiters."""
 
     def busy_reason(self, alias: str, key: Key) -> str: ...
+
+
+@runtime_checkable
+class TakesTickets(Protocol):
+    """A strategy with a waiter queue of its own (``lease``): a caller takes a
+    ticket (:meth:`enqueue`, what ``Lock.enqueue()`` keeps), and a waiter
+    with a ticket is served in ticket order (:meth:`wait_ticket`)."""
+
+    def enqueue(self, req: Request) -> int: ...
+
+    async def aenqueue(self, req: Request) -> int: ...
+
+    def wait_ticket(
+        self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None: ...
+
+    async def await_ticket(
+        self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None: ...
 
 
 class Strategy(Protocol):

@@ -26,7 +26,7 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies.base import Grant, Request, Strategy
+from django_dlock.strategies.base import Grant, Request, Strategy, TakesTickets
 from django_dlock.strategies.connection import (
     cursor,
     execute,
@@ -183,6 +183,10 @@ class LeaseStrategy:
             return None
         ticket = await self.aenqueue(req)
         return await self.await_ticket(req, ticket, deadline, policy)
+
+    def enqueue(self, req: Request) -> int:
+        """Take a ticket in the key's queue; its number."""
+        return queue.enqueue(req)
 
     async def aenqueue(self, req: Request) -> int:
         """Take a ticket off the event loop; a cancellation meanwhile leaves none behind."""
@@ -397,3 +401,4 @@ class LeaseStrategy:
 
 lease = LeaseStrategy()
 _implements_strategy: Strategy = lease  # (checked by mypy)
+_takes_tickets: TakesTickets = lease  # (checked by mypy)
