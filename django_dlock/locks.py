@@ -331,7 +331,7 @@ class Lock(Generic[_OnFailT]):
     @property
     def queues_waiters(self) -> bool:
         """Whether its waiters take tickets in the lease queue (``lease`` on one database)."""
-        return self._quorum is None and self.strategy_name == "lease"
+        return self._quorum is None and traits(self.strategy_name)[2]
 
     def _check_options(self) -> None:
         """Read and check every option that comes from settings (before any SQL)."""

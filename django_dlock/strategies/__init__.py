@@ -71,16 +71,24 @@ def supported(name: str, alias: str) -> Strategy:
     return found
 
 
-#: strategy name -> (family, transaction-scoped)
-_TRAITS: dict[str, tuple[str, bool]] = {}
+#: strategy name -> (family, transaction-scoped, takes tickets)
+_TRAITS: dict[str, tuple[str, bool, bool]] = {}
 
 
-def traits(name: str) -> tuple[str, bool]:
-    """The family of the strategy called ``name``, and whether it is transaction-scoped."""
+def traits(name: str) -> tuple[str, bool, bool]:
+    """The family of the strategy called ``name``, whether it is transaction-scoped,
+    and whether its waiters take tickets in a queue of its own
+    (:class:`~django_dlock.strategies.base.TakesTickets`)."""
     found = _TRAITS.get(name)
     if found is None:
+        from django_dlock.strategies.base import TakesTickets
+
         strategy = get_strategy(name)
-        found = _TRAITS[name] = (strategy.family, strategy.transaction_scoped)
+        found = _TRAITS[name] = (
+            strategy.family,
+            strategy.transaction_scoped,
+            isinstance(strategy, TakesTickets),
+        )
     return found
 
 
