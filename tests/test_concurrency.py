@@ -58,14 +58,14 @@ def test_threads_exclude_each_other(alias, tmp_path):
     counter = procs.FileCounter(str(tmp_path / "counter"))
     counter.reset()
     logs = [str(tmp_path / f"log{i}") for i in range(8)]
-    run_threads(_worker, [(alias, counter.path, log, 100) for log in logs])
-    assert counter.read() == 800
-    _check_fences(logs, 800)
+    run_threads(_worker, [(alias, counter.path, log, 50) for log in logs])
+    assert counter.read() == 400
+    _check_fences(logs, 400)
 
 
 def test_asyncio_tasks_exclude_each_other(alias):
     state = {"counter": 0, "fences": []}
-    tasks_count, iterations = 50, 4
+    tasks_count, iterations = 20, 4
 
     async def task() -> None:
         for _ in range(iterations):
