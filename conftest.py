@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -115,11 +116,21 @@ def django_db_modify_db_settings_xdist_suffix() -> None:
     processes a test starts read the same names there): no suffix on top."""
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _test_databases_first(request: pytest.FixtureRequest) -> None:
+    """The test databases, set up before any module's fixtures (some add aliases of
+    their own: a private cluster, a PgBouncer); not when only the tests of
+    tests/unit/ run, which need none."""
+    unit = Path(__file__).resolve().parent / "tests" / "unit"
+    if all(unit in Path(item.path).resolve().parents for item in request.session.items):
+        return
+    request.getfixturevalue("django_db_setup")
+
+
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup: None) -> Iterator[None]:
-    # The test databases, set up for the first test that uses one (the
-    # tests of tests/unit/ use none, and set up none). Before they are
-    # dropped, the LISTEN connections and idle advisory sessions are closed.
+    # Before the test databases are dropped, the LISTEN connections and idle
+    # advisory sessions are closed.
     from django_dlock import notify, sessions
 
     yield

@@ -415,13 +415,25 @@ class Campaign:
         self._req = self._new_request()
 
     def _step_down(self) -> None:
+        """End the term, then give the lease back: the leadership has ended (and
+        ``on_stopped_leading`` has run, if it returns within ``retry``) before
+        anyone else can take the lease."""
         assert self._req is not None
         started = _now()
+        self._end_term("stepped down", graceful=True)
+        self._callbacks_done(until=started + self.retry)
         ok, result = self._call(self._backend.release, self._req, until=started + self.retry)
         if not ok:
             logger.warning("django-dlock: %s: release failed: %s", self.key.name, result)
         logger.info("django-dlock: %s: stepped down", self.key.name)
-        self._end_term("stepped down", graceful=True)
+
+    def _callbacks_done(self, until: float) -> None:
+        """Wait (at most until ``until``) for the callbacks posted so far to run."""
+        if self._dispatcher is None:
+            return
+        done = threading.Event()
+        self._dispatcher.post(done.set)
+        done.wait(max(0.0, until - _now()))
 
     def _end_term(self, reason: str, graceful: bool) -> None:
         with self._changed:

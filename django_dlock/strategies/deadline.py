@@ -262,13 +262,18 @@ def _watched(
 
 def watched_raw(raw: Any, run: Callable[[], T], grace: float = 0.0, cancel: bool = True) -> T:
     """``run()``, one statement on the driver connection ``raw``, given up at the
-    current deadline plus ``grace``: its socket is shut
+    current deadline (one sent after it: :data:`STATEMENT_FLOOR` after it was
+    sent) plus ``grace``: its socket is shut
     down (after a cancel request, with ``cancel``), the statement fails and
     :class:`Abandoned` is raised. The caller closes the connection then."""
     end = _deadline.get()
     if end is None or raw is None:
         return run()
-    watch = _Watch(raw, end + grace, cancel=cancel)
+    now = time.monotonic()
+    # a statement sent before the deadline is given up at it; one sent after it
+    # (giving back a place or a ticket once the acquire has failed) still gets
+    # one round trip
+    watch = _Watch(raw, (end if now < end else now + STATEMENT_FLOOR) + grace, cancel=cancel)
     _watchdog.add(watch)
     error: BaseException | None = None
     try:
