@@ -20,29 +20,55 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from asgiref.sync import sync_to_async
 
 from django_dlock import holdings
 from django_dlock._threads import to_the_end
 from django_dlock._unasync import run_to_end
-from django_dlock.exceptions import DLockError
+from django_dlock.exceptions import DLockError, LockReentrantError
 from django_dlock.holdings import Holding, Renewal
 from django_dlock.identity import Holder
 from django_dlock.keys import Key
+from django_dlock.options import Options
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Grant, Request, Strategy
+from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.deadline import Abandoned, statement_deadline
 
-if TYPE_CHECKING:
-    from django_dlock.locks import Lock
+__all__ = ["Attempt", "reenter"]
 
-__all__ = ["Attempt"]
+
+def reenter(opts: Options, holder: Holder, holding: Holding) -> bool:
+    """Count a re-entry of ``holding``, the holder's holding of a key.
+
+    A holding that is lost is not re-entered: the caller contends afresh
+    (``False``). (A lease that may have run out was renewed, or found
+    lost, just before: see :meth:`Attempt.take`.)
+
+    Raises:
+        LockReentrantError: ``reentrant=False``, or an exclusive re-entry of
+            a shared holding.
+    """
+    if holding.lost:
+        holding.halt_renewal()
+        return False
+    name = holding.name
+    if not opts.reentrant:
+        raise LockReentrantError(
+            f"{name!r} is already held by this {holder.kind} and reentrant=False"
+        )
+    if holding.request.shared and not opts.shared:
+        raise LockReentrantError(
+            f"{name!r} is held shared by this {holder.kind}: it cannot be "
+            "re-entered exclusively (release the shared lock first)"
+        )
+    holding.count += 1
+    return True
 
 
 class Attempt:
-    """One call's attempt to take keys of ``lock`` for ``holder`` on ``alias``.
+    """One call's attempt to take keys for ``holder``, as ``opts`` says.
 
     ``taken`` lists the keys held so far by this attempt (re-entered keys
     included: giving back releases one level of them).
@@ -50,36 +76,33 @@ class Attempt:
 
     def __init__(
         self,
-        lock: Lock,
+        opts: Options,
         holder: Holder,
-        alias: str,
-        strategy: Strategy,
         deadline: Deadline,
         taken: Iterable[Key] = (),
     ) -> None:
-        self.lock = lock
+        self.opts = opts
         self.holder = holder
-        self.alias = alias
-        self.strategy = strategy
         self.deadline = deadline
         self.taken: list[Key] = list(taken)
 
     async def take(self, keys: Iterable[Key], steps: _Steps, keep: bool) -> Request | None:
         """Walk ``keys``: ``None`` once all are held, else the busy key's request;
         what was taken is given back then unless ``keep``."""
-        lock, holder = self.lock, self.holder
+        opts, holder = self.opts, self.holder
+        family = opts.strategy.family
         try:
             for key in keys:
-                held = holdings.current(holder, (self.alias, self.strategy.family, key.name))
+                held = holdings.current(holder, (opts.alias, family, key.name))
                 if held is not None and holdings.confirm_on_reentry(held):
                     await steps.renew(self, held)
-                if held is not None and lock._reenter(holder, held):
+                if held is not None and reenter(opts, holder, held):
                     self.taken.append(key)
                     continue
-                req = lock._request(holder, self.alias, key)
+                req = opts.request(holder, key)
                 sent_at = time.monotonic()
                 try:
-                    with statement_deadline(self.deadline, self.alias):
+                    with statement_deadline(self.deadline, opts.alias):
                         grant = await steps.attempt(self, req)
                 except Abandoned:  # waited past the deadline for a pooler
                     grant = None
@@ -95,9 +118,9 @@ class Attempt:
 
     def hold(self, req: Request, grant: Grant, sent_at: float) -> None:
         """Record the key of ``req`` as acquired by a statement sent at ``sent_at``."""
-        lock = self.lock
-        made = Holding(req, self.strategy, grant.fence, lock.signal_sender, on_lost=lock.on_lost)
-        renewal = Renewal(lock.ttl, lock.max_hold) if lock.renew else None
+        opts = self.opts
+        made = Holding(req, opts.strategy, grant.fence, opts.signal_sender, on_lost=opts.on_lost)
+        renewal = Renewal(opts.ttl, opts.max_hold) if opts.renew else None
         wait = self.deadline.elapsed()
         holdings.take(self.holder, made, sent_at=sent_at, wait=wait, renewal=renewal)
         self.taken.append(req.key)
@@ -115,15 +138,16 @@ class Attempt:
     def undo(self) -> None:
         """Give back what this attempt took, last first (all or none)."""
         taken, self.taken = self.taken, []
+        opts = self.opts
         for key in reversed(taken):
-            holding = self.holder.holdings.get((self.alias, self.strategy.family, key.name))
+            holding = self.holder.holdings.get((opts.alias, opts.strategy.family, key.name))
             if holding is not None:
                 with contextlib.suppress(DLockError):
                     holdings.release_one(self.holder, holding)
 
     async def aundo(self) -> None:
         """Async :meth:`undo`: runs to the end even if the task is cancelled."""
-        await to_the_end(self.undo, f"giving back {self.lock.name!r}")
+        await to_the_end(self.undo, f"giving back {self.opts.name!r}")
 
 
 class _Steps(Protocol):
@@ -140,10 +164,11 @@ class _SyncSteps:
     """Each step runs in the calling thread (it never suspends)."""
 
     async def renew(self, attempt: Attempt, holding: Holding) -> None:
-        holdings.renew_or_lose(holding, attempt.lock._lease_ttl())
+        holdings.renew_or_lose(holding, attempt.opts.lease_ttl)
 
     async def attempt(self, attempt: Attempt, req: Request) -> Grant | None:
-        return attempt.strategy.acquire(req, attempt.deadline, attempt.lock.retry_interval)
+        opts = attempt.opts
+        return opts.strategy.acquire(req, attempt.deadline, opts.retry_interval)
 
     async def undo(self, attempt: Attempt) -> None:
         attempt.undo()
@@ -153,11 +178,11 @@ class _AsyncSteps:
     """Each step runs off the event loop; a cancelled task still gives back."""
 
     async def renew(self, attempt: Attempt, holding: Holding) -> None:
-        await sync_to_async(holdings.renew_or_lose)(holding, attempt.lock._lease_ttl())
+        await sync_to_async(holdings.renew_or_lose)(holding, attempt.opts.lease_ttl)
 
     async def attempt(self, attempt: Attempt, req: Request) -> Grant | None:
-        strategy, lock = attempt.strategy, attempt.lock
-        return await strategy.aacquire(req, attempt.deadline, lock.retry_interval)
+        opts = attempt.opts
+        return await opts.strategy.aacquire(req, attempt.deadline, opts.retry_interval)
 
     async def undo(self, attempt: Attempt) -> None:
         await attempt.aundo()

@@ -61,7 +61,6 @@ from django_dlock.exceptions import (
     InvalidLockKey,
     LockLost,
     LockNotOwned,
-    LockReentrantError,
     LockTimeout,
     StrategyNotSupported,
     SyncInAsyncContext,
@@ -69,11 +68,11 @@ from django_dlock.exceptions import (
 from django_dlock.holdings import Holding
 from django_dlock.identity import Holder, current_holder
 from django_dlock.keys import Key, LockKey, make_key
+from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy, supported, traits
-from django_dlock.strategies.base import ExplainsBusy, Request, Strategy
+from django_dlock.strategies.base import HELD, ExplainsBusy, Request, Strategy
 from django_dlock.strategies.deadline import statement_deadline
-from django_dlock.strategies.lease.strategy import HELD
 from django_dlock.validation import (
     alias_error,
     retry_interval_error,
@@ -221,9 +220,9 @@ class Lock(Generic[_OnFailT]):
 
     namespace = "lock"
     signal_sender: type[Lock]
-
-    #: places taken by :meth:`enqueue`, by holder token (made on first use)
-    _queued_by_holder: dict[str, two_phase.Queued]
+    #: on release, keep the lease until ``acquired_at + _hold_at_least``
+    #: seconds (a :class:`~django_dlock.TaskLock`'s ``min_hold``)
+    _hold_at_least = 0.0
 
     # The type records ``on_fail``: the decorator's calls may return None
     # only when it is "skip".
@@ -312,6 +311,8 @@ class Lock(Generic[_OnFailT]):
         self.on_lost = on_lost
         self.on_fail = on_fail
         self.shared = bool(shared)
+        #: places taken by :meth:`enqueue`, not yet waited for
+        self._places = two_phase.Places()
 
     # -- options that default to settings (read and checked at use) ---------
 
@@ -328,14 +329,28 @@ class Lock(Generic[_OnFailT]):
         value: float = checked("DLOCK_DEFAULT_TTL") if self._ttl_arg is None else self._ttl_arg
         return value
 
-    @property
-    def queues_waiters(self) -> bool:
-        """Whether its waiters take tickets in the lease queue (``lease`` on one database)."""
-        return self._quorum is None and traits(self.strategy_name)[2]
-
-    def _check_options(self) -> None:
-        """Read and check every option that comes from settings (before any SQL)."""
-        _ = self.strategy_name, self.ttl, self.timeout, self.retry_interval
+    def _options(self) -> Options:
+        """This call's options: every one that comes from settings read and
+        checked (before any SQL), the database and the strategy resolved."""
+        alias = self.alias
+        strategy = self._strategy(alias)
+        return Options(
+            keys=tuple(self.keys),
+            alias=alias,
+            strategy=strategy,
+            strategy_name=self.strategy_name,
+            quorum=self._quorum,
+            ttl=self.ttl,
+            max_hold=self.max_hold,
+            renew=self.renew,
+            reentrant=self.reentrant,
+            shared=self.shared,
+            hold_at_least=self._hold_at_least,
+            retry_interval=self.retry_interval,
+            on_lost=self.on_lost,
+            signal_sender=self.signal_sender,
+            queues_waiters=self._quorum is None and traits(self.strategy_name)[2],
+        )
 
     # -- keys ----------------------------------------------------------------
 
@@ -459,42 +474,6 @@ class Lock(Generic[_OnFailT]):
         validated(timeout_error(timeout))
         return timeout
 
-    def _reenter(self, holder: Holder, holding: Holding) -> bool:
-        """Count a re-entry of ``holding``, the holder's holding of a key.
-
-        A holding that is lost is not re-entered: the caller contends afresh
-        (``False``). (A lease that may have run out was renewed, or found
-        lost, just before: see :class:`~django_dlock.acquiring.Attempt`.)
-        """
-        if holding.lost:
-            holding.halt_renewal()
-            return False
-        name = holding.name
-        if not self.reentrant:
-            raise LockReentrantError(
-                f"{name!r} is already held by this {holder.kind} and reentrant=False"
-            )
-        if holding.request.shared and not self.shared:
-            raise LockReentrantError(
-                f"{name!r} is held shared by this {holder.kind}: it cannot be "
-                "re-entered exclusively (release the shared lock first)"
-            )
-        holding.count += 1
-        return True
-
-    def _lease_ttl(self) -> float:
-        return self.ttl if self.max_hold is None else min(self.ttl, self.max_hold)
-
-    def _request(self, holder: Holder, alias: str, key: Key) -> Request:
-        return Request(
-            key=key,
-            alias=alias,
-            token=holder.token(),
-            owner=holder.owner(),
-            ttl=self._lease_ttl(),
-            shared=self.shared,
-        )
-
     def acquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
         """Acquire the lock; ``True`` if acquired, ``False`` on timeout.
 
@@ -511,17 +490,16 @@ class Lock(Generic[_OnFailT]):
         """
         _refuse_in_event_loop(self, "acquire() (or a `with` block)", "`await lk.aacquire()`")
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
-        self._check_options()
+        opts = self._options()
         if metrics.observer is not None:
-            return metrics.observer.acquire(self, deadline, self._acquire)
-        return self._acquire(deadline)
+            attempt = functools.partial(self._acquire, opts, deadline)
+            return metrics.observer.acquire(opts, deadline, attempt)
+        return self._acquire(opts, deadline)
 
-    def _acquire(self, deadline: Deadline) -> bool:
-        alias = self.alias
-        attempt = Attempt(self, current_holder(), alias, self._strategy(alias), deadline)
-        busy = attempt.run(self.keys)
+    def _acquire(self, opts: Options, deadline: Deadline) -> bool:
+        busy = Attempt(opts, current_holder(), deadline).run(opts.keys)
         if busy is not None:
-            _WHY_BUSY.set(self._busy_reason(attempt.strategy, busy))
+            _WHY_BUSY.set(self._busy_reason(opts.strategy, busy))
             self._contended(busy.key, deadline)
         return busy is None
 
@@ -531,17 +509,16 @@ class Lock(Generic[_OnFailT]):
         Cancelling the task while it waits leaves no lock behind.
         """
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
-        self._check_options()
+        opts = self._options()
         if metrics.observer is not None:
-            return await metrics.observer.aacquire(self, deadline, self._aacquire)
-        return await self._aacquire(deadline)
+            attempt = functools.partial(self._aacquire, opts, deadline)
+            return await metrics.observer.aacquire(opts, deadline, attempt)
+        return await self._aacquire(opts, deadline)
 
-    async def _aacquire(self, deadline: Deadline) -> bool:
-        alias = self.alias
-        attempt = Attempt(self, current_holder(), alias, self._strategy(alias), deadline)
-        busy = await attempt.arun(self.keys)
+    async def _aacquire(self, opts: Options, deadline: Deadline) -> bool:
+        busy = await Attempt(opts, current_holder(), deadline).arun(opts.keys)
         if busy is not None:
-            _WHY_BUSY.set(await sync_to_async(self._busy_reason)(attempt.strategy, busy))
+            _WHY_BUSY.set(await sync_to_async(self._busy_reason)(opts.strategy, busy))
             self._contended(busy.key, deadline)
         return busy is None
 
@@ -591,18 +568,19 @@ class Lock(Generic[_OnFailT]):
         """
         _refuse_in_event_loop(self, "release()", "`await lk.arelease()`")
         holder = current_holder()
-        if two_phase.has_place(self, holder):
-            two_phase.give_up(self, holder)
+        queued = self._places.pop(holder)
+        if queued is not None:
+            two_phase.give_up(queued, holder)
             return
         holdings.release_all(holder, self._all_held(holder, releasing=True))
 
     async def arelease(self) -> None:
         """Async :meth:`release`."""
         holder = current_holder()
-        if two_phase.has_place(self, holder):
-            await to_the_end(
-                functools.partial(two_phase.give_up, self, holder), f"giving up {self.name!r}"
-            )
+        queued = self._places.pop(holder)
+        if queued is not None:
+            give_up = functools.partial(two_phase.give_up, queued, holder)
+            await to_the_end(give_up, f"giving up {self.name!r}")
             return
         release = functools.partial(
             holdings.release_all, holder, self._all_held(holder, releasing=True)
@@ -711,11 +689,11 @@ class Lock(Generic[_OnFailT]):
         rest in order. Other strategies: ``StrategyNotSupported``.
         """
         _refuse_in_event_loop(self, "enqueue()", "`await lk.aenqueue()`")
-        return two_phase.enqueue(self)
+        return two_phase.enqueue(self._options(), self._places)
 
     async def aenqueue(self) -> bool:
         """Async :meth:`enqueue` (the place belongs to the calling task)."""
-        return await two_phase.aenqueue(self)
+        return await two_phase.aenqueue(self._options(), self._places)
 
     def wait(self, timeout: float | None = UNSET) -> bool:
         """Block until the place taken by :meth:`enqueue` is granted (``True``)
@@ -724,11 +702,28 @@ class Lock(Generic[_OnFailT]):
         moment the lock is granted. ``True`` at once if ``enqueue`` acquired.
         """
         _refuse_in_event_loop(self, "wait()", "`await lk.await_lock()`")
-        return two_phase.wait(self, timeout)
+        holder = current_holder()
+        deadline = Deadline(self._resolve_timeout(True, timeout))
+        queued = self._places.pop(holder)
+        if queued is None:
+            self._acquired_by_enqueue(holder)
+            return True
+        return two_phase.wait(queued, holder, deadline)
 
     async def await_lock(self, timeout: float | None = UNSET) -> bool:
         """Async :meth:`wait`. Cancelling it gives the place up and leaves no lock."""
-        return await two_phase.await_lock(self, timeout)
+        holder = current_holder()
+        deadline = Deadline(self._resolve_timeout(True, timeout))
+        queued = self._places.pop(holder)
+        if queued is None:
+            await sync_to_async(self._acquired_by_enqueue)(holder)
+            return True
+        return await two_phase.await_lock(queued, holder, deadline)
+
+    def _acquired_by_enqueue(self, holder: Holder) -> None:
+        """A wait with no place: fine if ``enqueue`` acquired, else :class:`DLockError`."""
+        if not self.owned(holder):
+            raise DLockError(f"{self.name!r}: wait() without enqueue() (or after it gave up)")
 
     # -- context managers ----------------------------------------------------
 
@@ -804,6 +799,7 @@ class Lock(Generic[_OnFailT]):
         bound = object.__new__(type(self))
         bound.__dict__.update(self.__dict__)
         bound._keys = bound._make_keys(f"{func.__module__}.{func.__qualname__}")
+        bound._places = two_phase.Places()
         return bound
 
     def _skipped(self) -> None:
@@ -829,8 +825,6 @@ class Lock(Generic[_OnFailT]):
         typed so: ``def f() -> int`` becomes a function returning
         ``int | None``.
         """
-        from django_dlock._http import aguarded_call, guarded_call
-
         lk = self._for_function(func)
 
         def refused() -> None:
@@ -840,20 +834,31 @@ class Lock(Generic[_OnFailT]):
 
         if inspect.iscoroutinefunction(func):
 
-            async def arefused() -> None:
-                refused()
-
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                return await aguarded_call(
-                    lk, lambda: func(*args, **kwargs), arefused, stream=False
-                )
+                if not await lk.aacquire():
+                    return refused()
+                try:
+                    result = await func(*args, **kwargs)
+                except BaseException as exc:
+                    await lk._aleave(exc)
+                    raise
+                await lk._aleave(None)
+                return result
 
             return async_wrapper
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return guarded_call(lk, lambda: func(*args, **kwargs), refused, stream=False)
+            if not lk.acquire():
+                return refused()
+            try:
+                result = func(*args, **kwargs)
+            except BaseException as exc:
+                lk._leave(exc)
+                raise
+            lk._leave(None)
+            return result
 
         return wrapper
 

@@ -36,7 +36,7 @@ from django.core.signals import setting_changed
 from django_dlock import signals
 
 if TYPE_CHECKING:
-    from django_dlock.locks import Lock
+    from django_dlock.options import Options
     from django_dlock.retry import Deadline
 
 __all__ = ["BACKENDS", "configure", "metrics_error", "observer"]
@@ -93,38 +93,38 @@ class PrometheusObserver:
     # -- the acquire path (called by Lock.acquire / Lock.aacquire) --------------
 
     def _failed(
-        self, lk: Lock, deadline: Deadline, acquired: bool | None, cancelled: bool = False
+        self, opts: Options, deadline: Deadline, acquired: bool | None, cancelled: bool = False
     ) -> None:
         if acquired:
             return  # observed per key by the lock_acquired signal
         outcome = "cancelled" if cancelled else "error"
         if acquired is not None:  # False: the lock is held by someone else
             outcome = "skipped" if deadline.timeout == 0 else "timeout"
-        self._acquire_child(lk.strategy_name, outcome).observe(deadline.elapsed())
+        self._acquire_child(opts.strategy_name, outcome).observe(deadline.elapsed())
 
-    def acquire(self, lk: Lock, deadline: Deadline, attempt: Callable[[Deadline], bool]) -> bool:
-        waiting = deadline.timeout != 0 and not lk.queues_waiters
+    def acquire(self, opts: Options, deadline: Deadline, attempt: Callable[[], bool]) -> bool:
+        waiting = deadline.timeout != 0 and not opts.queues_waiters
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None
         try:
-            acquired = attempt(deadline)
+            acquired = attempt()
             return acquired
         finally:
             if waiting:
                 self.waiters.dec()
-            self._failed(lk, deadline, acquired)
+            self._failed(opts, deadline, acquired)
 
     async def aacquire(
-        self, lk: Lock, deadline: Deadline, attempt: Callable[[Deadline], Awaitable[bool]]
+        self, opts: Options, deadline: Deadline, attempt: Callable[[], Awaitable[bool]]
     ) -> bool:
-        waiting = deadline.timeout != 0 and not lk.queues_waiters
+        waiting = deadline.timeout != 0 and not opts.queues_waiters
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None
         cancelled = False
         try:
-            acquired = await attempt(deadline)
+            acquired = await attempt()
             return acquired
         except asyncio.CancelledError:
             cancelled = True
@@ -132,7 +132,7 @@ class PrometheusObserver:
         finally:
             if waiting:
                 self.waiters.dec()
-            self._failed(lk, deadline, acquired, cancelled)
+            self._failed(opts, deadline, acquired, cancelled)
 
     # -- signals ------------------------------------------------------------------
 

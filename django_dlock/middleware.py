@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
-from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
@@ -75,7 +74,7 @@ from django_dlock.validation import (
     ttl_error,
 )
 
-__all__ = ["LockMiddleware", "Rule", "check_rules", "compile_rules"]
+__all__ = ["LockMiddleware", "Rule", "compile_rules"]
 
 MIDDLEWARE_PATH = "django_dlock.middleware.LockMiddleware"
 CSRF_MIDDLEWARE = "django.middleware.csrf.CsrfViewMiddleware"
@@ -423,9 +422,3 @@ def _take_held(request: HttpRequest) -> tuple[Lock, Holder] | None:
     held: tuple[Lock, Holder] | None = request.__dict__.pop(HELD_ATTR, None)
     return held
 
-
-def check_rules() -> list[CheckMessage]:
-    """dlock.E020-E027, dlock.W020-W023 (see :func:`django_dlock.checks.middleware_messages`)."""
-    from django_dlock.checks import middleware_messages
-
-    return middleware_messages()

@@ -30,14 +30,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from django.db import connections
-
 from django_dlock import signals
-from django_dlock.keys import Key
 from django_dlock.locks import Lock
-from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Request, Strategy
-from django_dlock.strategies.lease import LeaseStrategy
 from django_dlock.validation import seconds_or_none
 
 __all__ = ["TaskLock"]
@@ -46,16 +40,6 @@ logger = logging.getLogger("django_dlock")
 
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-class _HoldAtLeast(LeaseStrategy):
-    """The lease strategy whose release keeps the lease until ``acquired_at + min_hold``."""
-
-    def __init__(self, min_hold: float) -> None:
-        self.min_hold = min_hold
-
-    def release(self, req: Request) -> bool:
-        return self.release_after(req, self.min_hold)
 
 
 class TaskLock(Lock[Literal["skip"]]):
@@ -111,6 +95,8 @@ class TaskLock(Lock[Literal["skip"]]):
                 f"min_hold ({self.min_hold:g} s) must not exceed max_hold ({high:g} s): "
                 "the lease is taken for max_hold seconds"
             )
+        #: the lease strategy keeps the lease until acquired_at + min_hold
+        self._hold_at_least = self.min_hold
         # Without max_hold the lease length comes from DLOCK_DEFAULT_TTL, read
         # when the task runs (so that importing a module never fails on it).
         super().__init__(
@@ -130,21 +116,6 @@ class TaskLock(Lock[Literal["skip"]]):
             return self._ttl_arg
         return max(super().ttl, self.min_hold)
 
-    # -- the lease strategy with the min_hold release ---------------------
-
-    def _strategy(self, alias: str) -> Strategy:
-        if self._quorum is not None:
-            from django_dlock.strategies.quorum import quorum_strategy
-
-            return quorum_strategy("lease", self._quorum, min_hold=self.min_hold)
-        strategy = _HoldAtLeast(self.min_hold)
-        strategy.check_supported(connections[alias])
-        return strategy
-
-    def _contended(self, key: Key, deadline: Deadline) -> None:
-        # Skipping is the normal outcome of a TaskLock: _skipped() logs it.
-        return None
-
     def _skipped(self) -> None:
         logger.info(
             "django-dlock: skipped task %s: it is running elsewhere or ran less than "
@@ -162,9 +133,9 @@ class TaskLock(Lock[Literal["skip"]]):
         self._skipped()
         return False
 
-    def _leave(self, exc: BaseException | None) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._holdings():  # a skipped block holds nothing
-            super()._leave(exc)
+            self._leave(exc)
 
     async def __aenter__(self) -> bool:  # type: ignore[override]
         if await self.aacquire():
@@ -172,9 +143,9 @@ class TaskLock(Lock[Literal["skip"]]):
         self._skipped()
         return False
 
-    async def _aleave(self, exc: BaseException | None) -> None:
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._holdings():
-            await super()._aleave(exc)
+            await self._aleave(exc)
 
     # -- explicit forms ------------------------------------------------------
 

@@ -13,8 +13,8 @@ queue taken before slow work starts) splits ``acquire`` in two:
   of the keys in order (all or none).
 
 The place belongs to the holder (thread or task) that took it and is kept
-per :class:`~django_dlock.locks.Lock` object until ``wait``, or until
-:func:`give_up` (``release()``). A place nobody can wait for any more ends
+in the :class:`Places` of the lock object it was taken with until ``wait``,
+or until :func:`give_up` (``release()``). A place nobody can wait for any more ends
 by itself (see :func:`_wanted`). Keys are taken by the same walk as
 ``acquire`` (:class:`~django_dlock.acquiring.Attempt`).
 """
@@ -34,45 +34,72 @@ from django.db import connections
 from django_dlock.acquiring import Attempt
 from django_dlock.exceptions import DLockError, StrategyNotSupported
 from django_dlock.identity import Holder, current_holder, holder_alive
+from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
 from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Grant, Request, Strategy, TakesTickets
 
 if TYPE_CHECKING:
-    from django_dlock.locks import Lock
     from django_dlock.strategies.advisory.pending import Pending
 
-__all__ = ["aenqueue", "await_lock", "enqueue", "give_up", "has_place", "wait"]
+__all__ = ["Places", "Queued", "aenqueue", "await_lock", "enqueue", "give_up", "wait"]
 
 
 @dataclass
 class Queued:
-    """A place taken by :meth:`Lock.enqueue` for ``keys[index]``: a lease ticket,
+    """A place taken by ``enqueue()`` for ``opts.keys[index]``: a lease ticket,
     or a pending advisory lock."""
 
+    opts: Options
     req: Request
     index: int
     ticket: int | None = None
     pending: Pending | None = None
 
 
-def _two_phase_strategy(lock: Lock, alias: str) -> Strategy:
-    if lock._quorum is not None:
+class Places:
+    """The places taken with one lock object, by holder token (not yet waited for).
+
+    A place is wanted only while its ``Places`` exists (see :func:`_wanted`):
+    a lock object that is dropped gives its places up.
+    """
+
+    __slots__ = ("__weakref__", "_by_token")
+
+    def __init__(self) -> None:
+        self._by_token: dict[str, Queued] = {}
+
+    def has(self, holder: Holder) -> bool:
+        """Whether ``holder`` has a place here."""
+        return bool(self._by_token) and holder.token() in self._by_token
+
+    def pop(self, holder: Holder) -> Queued | None:
+        """Take ``holder``'s place out (``None``: it has none)."""
+        if not self._by_token:
+            return None
+        return self._by_token.pop(holder.token(), None)
+
+    def keep(self, holder: Holder, queued: Queued) -> None:
+        self._by_token[holder.token()] = queued
+
+
+def _two_phase_strategy(opts: Options) -> Strategy:
+    if opts.quorum is not None:
         raise StrategyNotSupported(
             f"enqueue()/wait() are not supported on a quorum lock (using="
-            f"{list(lock._quorum)!r}): a place in a queue lives on one database. "
+            f"{list(opts.quorum)!r}): a place in a queue lives on one database. "
             "Use acquire(timeout=...) on the quorum lock, or enqueue() on a lock "
             "on one database"
         )
-    strategy = lock._strategy(alias)
+    strategy, alias = opts.strategy, opts.alias
     if isinstance(strategy, TakesTickets):
         return strategy
     if connections[alias].vendor == "postgresql" and _advisory_pending(strategy) is not None:
         return strategy
     raise StrategyNotSupported(
         f"enqueue()/wait() need a strategy that keeps a place in a queue (lease, or "
-        f"advisory on PostgreSQL); {lock.strategy_name!r} on {alias!r} cannot: "
+        f"advisory on PostgreSQL); {opts.strategy_name!r} on {alias!r} cannot: "
         "use acquire(timeout=...)"
     )
 
@@ -89,77 +116,68 @@ def _advisory_pending(strategy: Strategy) -> object | None:
     return pending_capable(strategy, "postgresql")
 
 
-def _queued_places(lock: Lock) -> dict[str, Queued]:
-    found: dict[str, Queued] | None = getattr(lock, "_queued_by_holder", None)
-    if found is None:
-        found = {}
-        lock._queued_by_holder = found
-    return found
+def _enqueue_begin(opts: Options, places: Places, holder: Holder) -> Strategy:
+    strategy = _two_phase_strategy(opts)
+    if places.has(holder):
+        raise DLockError(f"{opts.name!r} is already queued by this {holder.kind}: call wait()")
+    return strategy
 
 
-def _enqueue_begin(lock: Lock, holder: Holder) -> tuple[str, Strategy]:
-    lock._check_options()
-    alias = lock.alias
-    strategy = _two_phase_strategy(lock, alias)
-    if holder.token() in _queued_places(lock):
-        raise DLockError(f"{lock.name!r} is already queued by this {holder.kind}: call wait()")
-    return alias, strategy
+def _wanted(opts: Options, places: Places) -> Callable[[], bool]:
+    """Whether a place the calling holder takes in ``places`` may still be waited for.
 
-
-def _wanted(lock: Lock) -> Callable[[], bool]:
-    """Whether a place the calling holder takes on ``lock`` may still be waited for.
-
-    It may while the thread or task that took it runs, the
-    :class:`~django_dlock.locks.Lock` object it was taken with exists (its
-    place is kept on it), and for at most the lock's ``ttl`` seconds: a
-    place is a lease on a position in the queue. Code that raised between
-    ``enqueue()`` and ``wait()`` therefore blocks nobody for long.
+    It may while the thread or task that took it runs, the lock object it
+    was taken with exists (its places are kept on it), and for at most the
+    lock's ``ttl`` seconds: a place is a lease on a position in the queue.
+    Code that raised between ``enqueue()`` and ``wait()`` therefore blocks
+    nobody for long.
     """
     alive = holder_alive()
-    lock_ref = weakref.ref(lock)
-    until = time.monotonic() + lock.ttl
-    return lambda: alive() and lock_ref() is not None and time.monotonic() < until
+    places_ref = weakref.ref(places)
+    until = time.monotonic() + opts.ttl
+    return lambda: alive() and places_ref() is not None and time.monotonic() < until
 
 
-def _queue_at(lock: Lock, attempt: Attempt, req: Request, ticket: int | None) -> None:
+def _queue_at(places: Places, attempt: Attempt, req: Request, ticket: int | None) -> None:
     """Keep the place taken for ``req`` (a lease ticket, else a pending advisory lock)."""
-    holder = attempt.holder
-    wanted = _wanted(lock)
+    holder, opts = attempt.holder, attempt.opts
+    wanted = _wanted(opts, places)
     if ticket is not None:
         queue.keeper.add(req, ticket, wanted)
-        queued = Queued(req, len(attempt.taken), ticket=ticket)
+        queued = Queued(opts, req, len(attempt.taken), ticket=ticket)
     else:
         from django_dlock.strategies.advisory.pending import Pending, pending_capable
 
-        impl = pending_capable(attempt.strategy, connections[req.alias].vendor)
+        impl = pending_capable(opts.strategy, connections[req.alias].vendor)
         assert impl is not None
-        queued = Queued(req, len(attempt.taken), pending=Pending(impl, req, holder, wanted))
-    _queued_places(lock)[holder.token()] = queued
+        pending = Pending(impl, req, holder, wanted)
+        queued = Queued(opts, req, len(attempt.taken), pending=pending)
+    places.keep(holder, queued)
 
 
-def enqueue(lock: Lock) -> bool:
-    """:meth:`Lock.enqueue`: try each key once; at the first busy one, take a place."""
+def enqueue(opts: Options, places: Places) -> bool:
+    """``Lock.enqueue()``: try each key once; at the first busy one, take a place."""
     holder = current_holder()
-    alias, strategy = _enqueue_begin(lock, holder)
-    attempt = Attempt(lock, holder, alias, strategy, Deadline(0.0))
-    busy = attempt.run(lock.keys, keep=True)
+    strategy = _enqueue_begin(opts, places, holder)
+    attempt = Attempt(opts, holder, Deadline(0.0))
+    busy = attempt.run(opts.keys, keep=True)
     if busy is None:
         return True
     ticket = strategy.enqueue(busy) if isinstance(strategy, TakesTickets) else None
-    _queue_at(lock, attempt, busy, ticket)
+    _queue_at(places, attempt, busy, ticket)
     return False
 
 
-async def aenqueue(lock: Lock) -> bool:
-    """:meth:`Lock.aenqueue`: the same walk, its queries off the event loop."""
+async def aenqueue(opts: Options, places: Places) -> bool:
+    """``Lock.aenqueue()``: the same walk, its queries off the event loop."""
     holder = current_holder()
-    alias, strategy = _enqueue_begin(lock, holder)
-    attempt = Attempt(lock, holder, alias, strategy, Deadline(0.0))
-    busy = await attempt.arun(lock.keys, keep=True)
+    strategy = _enqueue_begin(opts, places, holder)
+    attempt = Attempt(opts, holder, Deadline(0.0))
+    busy = await attempt.arun(opts.keys, keep=True)
     if busy is None:
         return True
     ticket = await strategy.aenqueue(busy) if isinstance(strategy, TakesTickets) else None
-    _queue_at(lock, attempt, busy, ticket)
+    _queue_at(places, attempt, busy, ticket)
     return False
 
 
@@ -171,35 +189,14 @@ def _claim(queued: Queued) -> bool:
     return queued.pending.claim()
 
 
-def _wait_begin(
-    lock: Lock, holder: Holder, timeout: float | None
-) -> tuple[Queued | None, Deadline, bool]:
-    """The caller's place (``None``: ``enqueue`` acquired), the deadline, and
-    whether the place is still there to wait for."""
-    deadline = Deadline(lock._resolve_timeout(True, timeout))
-    queued = _queued_places(lock).pop(holder.token(), None)
-    if queued is None and not lock.owned(holder):
-        raise DLockError(f"{lock.name!r}: wait() without enqueue() (or after it gave up)")
-    return queued, deadline, queued is None or _claim(queued)
-
-
-def has_place(lock: Lock, holder: Holder) -> bool:
-    """Whether ``holder`` has a place on ``lock`` (taken by ``enqueue``, not waited for)."""
-    found: dict[str, Queued] | None = getattr(lock, "_queued_by_holder", None)
-    return found is not None and holder.token() in found
-
-
-def give_up(lock: Lock, holder: Holder) -> None:
-    """Give up ``holder``'s place on ``lock`` and the keys ``enqueue`` took before it.
+def give_up(queued: Queued, holder: Holder) -> None:
+    """Give up ``holder``'s place and the keys ``enqueue`` took before it.
 
     ``release()`` between ``enqueue()`` and ``wait()``: the ticket is
     deleted (the next waiter woken on PostgreSQL), or the pending advisory
     lock cancelled in the server (and given back if it was granted).
     """
-    queued = _queued_places(lock).pop(holder.token(), None)
-    if queued is None:
-        return
-    attempt = _attempt_after(lock, holder, queued, Deadline(0.0))
+    attempt = _attempt_after(queued, holder, Deadline(0.0))
     try:
         if queued.ticket is not None:
             if queue.keeper.remove(queued.ticket):
@@ -210,32 +207,27 @@ def give_up(lock: Lock, holder: Holder) -> None:
         attempt.undo()
 
 
-def _attempt_after(lock: Lock, holder: Holder, queued: Queued, deadline: Deadline) -> Attempt:
+def _attempt_after(queued: Queued, holder: Holder, deadline: Deadline) -> Attempt:
     """The attempt that holds the keys before ``queued``'s and takes the rest."""
-    alias = queued.req.alias
-    taken = lock.keys[: queued.index]
-    return Attempt(lock, holder, alias, lock._strategy(alias), deadline, taken)
+    return Attempt(queued.opts, holder, deadline, queued.opts.keys[: queued.index])
 
 
-def wait(lock: Lock, timeout: float | None) -> bool:
-    """:meth:`Lock.wait`: block for the place, then take the remaining keys."""
-    holder = current_holder()
-    queued, deadline, kept = _wait_begin(lock, holder, timeout)
-    if queued is None:
-        return True
-    attempt = _attempt_after(lock, holder, queued, deadline)
-    if not kept:  # the place ran out before wait() (see _wanted)
+def wait(queued: Queued, holder: Holder, deadline: Deadline) -> bool:
+    """``Lock.wait()``: block for the place, then take the remaining keys."""
+    attempt = _attempt_after(queued, holder, deadline)
+    if not _claim(queued):  # the place ran out before wait() (see _wanted)
         attempt.undo()
         return False
+    opts = queued.opts
     sent_at = time.monotonic()
     try:
         if queued.pending is not None:
             left = None if deadline.timeout is None else deadline.remaining()
             grant = queued.pending.wait(left)
         else:
-            strategy = attempt.strategy
+            strategy = opts.strategy
             assert isinstance(strategy, TakesTickets) and queued.ticket is not None
-            grant = strategy.wait_ticket(queued.req, queued.ticket, deadline, lock.retry_interval)
+            grant = strategy.wait_ticket(queued.req, queued.ticket, deadline, opts.retry_interval)
     except BaseException:
         if queued.pending is not None:
             queued.pending.give_up()
@@ -245,15 +237,16 @@ def wait(lock: Lock, timeout: float | None) -> bool:
         attempt.undo()
         return False
     attempt.hold(queued.req, grant, sent_at)
-    return attempt.run(lock.keys[queued.index + 1 :]) is None
+    return attempt.run(opts.keys[queued.index + 1 :]) is None
 
 
-async def _await_place(lock: Lock, queued: Queued, deadline: Deadline) -> Grant | None:
-    strategy = lock._strategy(queued.req.alias)
+async def _await_place(queued: Queued, deadline: Deadline) -> Grant | None:
+    opts = queued.opts
     pending = queued.pending
     if pending is None:
+        strategy = opts.strategy
         assert isinstance(strategy, TakesTickets) and queued.ticket is not None
-        return await strategy.await_ticket(queued.req, queued.ticket, deadline, lock.retry_interval)
+        return await strategy.await_ticket(queued.req, queued.ticket, deadline, opts.retry_interval)
     left = None if deadline.timeout is None else deadline.remaining()
     try:
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(pending.future)), left)
@@ -265,19 +258,15 @@ async def _await_place(lock: Lock, queued: Queued, deadline: Deadline) -> Grant 
         raise
 
 
-async def await_lock(lock: Lock, timeout: float | None) -> bool:
-    """:meth:`Lock.await_lock`: cancelling it gives the place up and leaves no lock."""
-    holder = current_holder()
-    queued, deadline, kept = await sync_to_async(_wait_begin)(lock, holder, timeout)
-    if queued is None:
-        return True
-    attempt = _attempt_after(lock, holder, queued, deadline)
-    if not kept:  # the place ran out before await_lock() (see _wanted)
+async def await_lock(queued: Queued, holder: Holder, deadline: Deadline) -> bool:
+    """``Lock.await_lock()``: cancelling it gives the place up and leaves no lock."""
+    attempt = _attempt_after(queued, holder, deadline)
+    if not await sync_to_async(_claim)(queued):  # the place ran out (see _wanted)
         await attempt.aundo()
         return False
     sent_at = time.monotonic()
     try:
-        grant = await _await_place(lock, queued, deadline)
+        grant = await _await_place(queued, deadline)
     except BaseException:
         await attempt.aundo()
         raise
@@ -285,4 +274,4 @@ async def await_lock(lock: Lock, timeout: float | None) -> bool:
         await attempt.aundo()
         return False
     attempt.hold(queued.req, grant, sent_at)
-    return await attempt.arun(lock.keys[queued.index + 1 :]) is None
+    return await attempt.arun(queued.opts.keys[queued.index + 1 :]) is None

@@ -274,7 +274,7 @@ def test_an_async_post_refused_by_csrf_leaves_no_lock_row():
 def test_lock_middleware_before_csrf_is_reported():
     from django.core import checks
 
-    from django_dlock.middleware import check_rules
+    from django_dlock.checks import middleware_messages as check_rules
 
     csrf = "django.middleware.csrf.CsrfViewMiddleware"
     others = [m for m in settings.MIDDLEWARE if m not in (csrf, LOCK_MIDDLEWARE)]

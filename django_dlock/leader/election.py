@@ -22,7 +22,7 @@ from django_dlock.leader.campaign import EXPIRY_MARGIN, Campaign
 from django_dlock.leader.leadership import LeaderRecord, Leadership, _now
 from django_dlock.leader.quorum import QuorumBackend
 from django_dlock.leader.workers import Dispatcher
-from django_dlock.strategies.quorum import quorum_aliases
+from django_dlock.strategies.quorum import quorum_aliases, quorum_strategy
 from django_dlock.validation import JITTER, alias_error, validate_timing, validated
 
 T = TypeVar("T")
@@ -95,11 +95,7 @@ class LeaderElection(Campaign):
         quorum: tuple[str, ...] | None = None
         if using is not None and not isinstance(using, str):
             quorum = quorum_aliases(using)
-            if strategy != "lease":
-                raise StrategyNotSupported(
-                    f"an election on a quorum of databases needs strategy='lease', not "
-                    f"{strategy!r}: an advisory lock lives and dies with one server session"
-                )
+            quorum_strategy(strategy, quorum)  # only the lease strategy can
             using = quorum[0] if len(quorum) == 1 else None
             quorum = None if len(quorum) == 1 else quorum
         if using is not None:

@@ -17,7 +17,10 @@ from django_dlock.conf import RetryInterval
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
-__all__ = ["ExplainsBusy", "Grant", "Request", "Strategy", "TakesTickets"]
+__all__ = ["HELD", "ExplainsBusy", "Grant", "Request", "Strategy", "TakesTickets"]
+
+#: how a busy key is described when nothing more is known
+HELD = "is held by someone else"
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,10 @@ class Request:
     owner: str
     ttl: float
     shared: bool = False
+    #: on release, keep the lease until ``acquired_at + hold_at_least`` seconds
+    #: (database time): :class:`~django_dlock.TaskLock`'s ``min_hold``. Only
+    #: leased strategies honour it.
+    hold_at_least: float = 0.0
 
 
 @runtime_checkable

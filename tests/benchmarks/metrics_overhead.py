@@ -36,7 +36,8 @@ def contenders(alias: str) -> dict[str, tuple[Callable[[], None], Any]]:
 
     class Before(dlock.Lock):
         def acquire(self, blocking: bool = True, timeout: Any = UNSET) -> bool:
-            return self._acquire(Deadline(self._resolve_timeout(blocking, timeout)))
+            deadline = Deadline(self._resolve_timeout(blocking, timeout))
+            return self._acquire(self._options(), deadline)
 
     before = Before("bench-metrics", using=alias)
     now = dlock.lock("bench-metrics", using=alias)

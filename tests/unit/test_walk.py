@@ -4,17 +4,19 @@ kept in memory: no database, so these run in a second."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-import django_dlock as dlock
 from django_dlock.acquiring import Attempt
 from django_dlock.conf import RetryInterval
+from django_dlock.exceptions import LockReentrantError
 from django_dlock.identity import current_holder
-from django_dlock.keys import Key
+from django_dlock.keys import Key, make_key
+from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
 
@@ -90,10 +92,31 @@ def memory() -> Iterator[MemoryStrategy]:
         del holder.holdings[slot]
 
 
+def _options(strategy: MemoryStrategy, *names: str) -> Options:
+    """What a lock on ``names`` hands down to the walk (keys sorted, as Lock sorts them)."""
+    return Options(
+        keys=tuple(sorted((make_key(name) for name in names), key=lambda key: key.name)),
+        alias="default",
+        strategy=strategy,
+        strategy_name=strategy.name,
+        quorum=None,
+        ttl=30.0,
+        max_hold=None,
+        renew=False,
+        reentrant=True,
+        shared=False,
+        hold_at_least=0.0,
+        retry_interval=0.1,
+        on_lost=None,
+        signal_sender=Options,
+        queues_waiters=False,
+    )
+
+
 def _walk(strategy: MemoryStrategy, *names: str) -> tuple[Attempt, Request | None]:
-    lock = dlock.lock(list(names), using="default")
-    attempt = Attempt(lock, current_holder(), "default", strategy, Deadline(0))
-    return attempt, attempt.run(lock.keys)
+    opts = _options(strategy, *names)
+    attempt = Attempt(opts, current_holder(), Deadline(0))
+    return attempt, attempt.run(opts.keys)
 
 
 def test_every_key_is_taken_in_sorted_order(memory):
@@ -134,12 +157,22 @@ def test_a_key_the_holder_holds_is_re_entered_without_asking_again(memory):
 
 def test_the_async_walk_is_the_same_walk(memory):
     memory.held["lock:b"] = "someone else"
-    lock = dlock.lock(["a", "b"], using="default")
+    opts = _options(memory, "a", "b")
 
     async def walk() -> Request | None:
-        attempt = Attempt(lock, current_holder(), "default", memory, Deadline(0))
-        return await attempt.arun(lock.keys)
+        return await Attempt(opts, current_holder(), Deadline(0)).arun(opts.keys)
 
     busy = asyncio.run(walk())
     assert busy is not None and busy.key.name == "lock:b"
     assert memory.calls == [("acquire", "lock:a"), ("acquire", "lock:b"), ("release", "lock:a")]
+
+
+def test_a_holder_that_may_not_re_enter_is_refused_and_keeps_one_level(memory):
+    first, _ = _walk(memory, "a")
+    opts = dataclasses.replace(_options(memory, "a"), reentrant=False)
+    with pytest.raises(LockReentrantError):
+        Attempt(opts, current_holder(), Deadline(0)).run(opts.keys)
+    holding = current_holder().holdings[("default", "memory", "lock:a")]
+    assert holding.count == 1
+    first.undo()
+    assert memory.held == {}

@@ -26,7 +26,7 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies.base import Grant, Request, Strategy, TakesTickets
+from django_dlock.strategies.base import HELD, Grant, Request, Strategy, TakesTickets
 from django_dlock.strategies.connection import (
     cursor,
     execute,
@@ -39,8 +39,7 @@ from django_dlock.strategies.lease.handoff import attempt
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
 from django_dlock.strategies.lease.waiting import TicketWait
 
-#: why a key could not be taken (the words of the log messages)
-HELD = "is held by someone else"
+#: why a key could not be taken (the words of the log messages; HELD in base)
 QUEUED_AHEAD = "is free, but other waiters are queued ahead"
 
 
@@ -238,6 +237,8 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
+        if req.hold_at_least:  # TaskLock's min_hold
+            return self.release_after(req, req.hold_at_least)
         caller = connections[req.alias]
         if caller.vendor == "sqlite" and caller.in_atomic_block:
             connection = lock_connection(req.alias)

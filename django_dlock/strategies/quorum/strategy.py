@@ -69,12 +69,10 @@ def drift(ttl: float) -> float:
     return ttl * DRIFT_FACTOR + DRIFT_FLOOR
 
 
-_strategies: dict[tuple[tuple[str, ...], float | None], QuorumLease] = {}
+_strategies: dict[tuple[str, ...], QuorumLease] = {}
 
 
-def quorum_strategy(
-    name: str, aliases: tuple[str, ...], min_hold: float | None = None
-) -> QuorumLease:
+def quorum_strategy(name: str, aliases: tuple[str, ...]) -> QuorumLease:
     """The quorum of the ``name`` strategy over ``aliases`` (only ``lease`` can).
 
     Raises:
@@ -86,9 +84,9 @@ def quorum_strategy(
             "lease on a majority of them, so it needs strategy='lease' (advisory and "
             "row locks live and die with one server session)"
         )
-    found = _strategies.get((aliases, min_hold))
+    found = _strategies.get(aliases)
     if found is None:
-        found = _strategies[(aliases, min_hold)] = QuorumLease(aliases, min_hold)
+        found = _strategies[aliases] = QuorumLease(aliases)
     return found
 
 
@@ -116,10 +114,9 @@ class QuorumLease:
     transaction_scoped = False
     leased = True
 
-    def __init__(self, aliases: tuple[str, ...], min_hold: float | None = None) -> None:
+    def __init__(self, aliases: tuple[str, ...]) -> None:
         self.aliases = aliases
         self.need = majority(len(aliases))
-        self.min_hold = min_hold
         #: holdings of the same key on another set of databases are other locks
         self.family = "lease-quorum:" + ",".join(aliases)
         self._held: dict[tuple[str, str], _Held] = {}
@@ -311,8 +308,8 @@ class QuorumLease:
         end = time.monotonic() + ROUND_FLOOR
 
         def release_on(alias: str) -> Callable[[BaseDatabaseWrapper], Any]:
-            min_hold = self.min_hold
-            if min_hold is not None:
+            min_hold = mine.hold_at_least
+            if min_hold:  # TaskLock's min_hold
                 return lambda connection: release_after_on(connection, mine, min_hold)
             return lambda connection: lease.release_on(connection, mine)
 
