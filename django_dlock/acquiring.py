@@ -34,7 +34,7 @@ from django_dlock.keys import Key
 from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.deadline import Abandoned, statement_deadline
+from django_dlock.strategies.connection import Abandoned, statement_deadline
 
 __all__ = ["Attempt", "reenter"]
 

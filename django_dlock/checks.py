@@ -167,7 +167,7 @@ def check_poolers(**kwargs: Any) -> list[CheckMessage]:
     from django.db import DatabaseError, connections
 
     from django_dlock.conf import conf
-    from django_dlock.strategies.deadline import behind_pooler
+    from django_dlock.strategies.connection import behind_pooler
 
     found: list[CheckMessage] = []
     for alias in kwargs.get("databases") or []:
@@ -262,7 +262,8 @@ def database_messages(
         )
     if strategy != "advisory" or vendor != "postgresql":
         return found
-    from django_dlock.strategies._pg import PSYCOPG_INSTALL, psycopg3
+    from django_dlock.strategies._pg import PSYCOPG_INSTALL
+    from django_dlock.strategies.connection import psycopg3
 
     if not psycopg3():
         found.append(

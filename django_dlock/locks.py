@@ -72,7 +72,7 @@ from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies import get_strategy, supported, traits
 from django_dlock.strategies.base import HELD, ExplainsBusy, Request, Strategy
-from django_dlock.strategies.deadline import statement_deadline
+from django_dlock.strategies.connection import statement_deadline
 from django_dlock.validation import (
     alias_error,
     retry_interval_error,
@@ -298,7 +298,9 @@ class Lock(Generic[_OnFailT]):
         if retry_interval is not None:
             validated(retry_interval_error(retry_interval))
         self._retry_interval_arg = retry_interval
-        self.max_hold = seconds_or_none(max_hold, "max_hold", allow_zero=False)
+        self.max_hold = (
+            None if max_hold is None else seconds_or_none(max_hold, "max_hold", allow_zero=False)
+        )
         if on_fail not in ("raise", "skip"):
             raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
         #: the databases of a quorum lock (``using=[...]``), else None
@@ -311,8 +313,8 @@ class Lock(Generic[_OnFailT]):
         self.on_lost = on_lost
         self.on_fail = on_fail
         self.shared = bool(shared)
-        #: places taken by :meth:`enqueue`, not yet waited for
-        self._places = two_phase.Places()
+        #: places taken by :meth:`enqueue`, not yet waited for (made by the first)
+        self._places: two_phase.Places | None = None
 
     # -- options that default to settings (read and checked at use) ---------
 
@@ -493,7 +495,8 @@ class Lock(Generic[_OnFailT]):
         opts = self._options()
         if metrics.observer is not None:
             attempt = functools.partial(self._acquire, opts, deadline)
-            return metrics.observer.acquire(opts, deadline, attempt)
+            observe = metrics.observer.acquire
+            return observe(opts.strategy_name, opts.queues_waiters, deadline, attempt)
         return self._acquire(opts, deadline)
 
     def _acquire(self, opts: Options, deadline: Deadline) -> bool:
@@ -512,7 +515,8 @@ class Lock(Generic[_OnFailT]):
         opts = self._options()
         if metrics.observer is not None:
             attempt = functools.partial(self._aacquire, opts, deadline)
-            return await metrics.observer.aacquire(opts, deadline, attempt)
+            observe = metrics.observer.aacquire
+            return await observe(opts.strategy_name, opts.queues_waiters, deadline, attempt)
         return await self._aacquire(opts, deadline)
 
     async def _aacquire(self, opts: Options, deadline: Deadline) -> bool:
@@ -568,7 +572,7 @@ class Lock(Generic[_OnFailT]):
         """
         _refuse_in_event_loop(self, "release()", "`await lk.arelease()`")
         holder = current_holder()
-        queued = self._places.pop(holder)
+        queued = self._take_place(holder)
         if queued is not None:
             two_phase.give_up(queued, holder)
             return
@@ -577,7 +581,7 @@ class Lock(Generic[_OnFailT]):
     async def arelease(self) -> None:
         """Async :meth:`release`."""
         holder = current_holder()
-        queued = self._places.pop(holder)
+        queued = self._take_place(holder)
         if queued is not None:
             give_up = functools.partial(two_phase.give_up, queued, holder)
             await to_the_end(give_up, f"giving up {self.name!r}")
@@ -689,11 +693,20 @@ class Lock(Generic[_OnFailT]):
         rest in order. Other strategies: ``StrategyNotSupported``.
         """
         _refuse_in_event_loop(self, "enqueue()", "`await lk.aenqueue()`")
-        return two_phase.enqueue(self._options(), self._places)
+        return two_phase.enqueue(self._options(), self._queue_places())
 
     async def aenqueue(self) -> bool:
         """Async :meth:`enqueue` (the place belongs to the calling task)."""
-        return await two_phase.aenqueue(self._options(), self._places)
+        return await two_phase.aenqueue(self._options(), self._queue_places())
+
+    def _queue_places(self) -> two_phase.Places:
+        if self._places is None:
+            self._places = two_phase.Places()
+        return self._places
+
+    def _take_place(self, holder: Holder) -> two_phase.Queued | None:
+        """``holder``'s place taken by :meth:`enqueue` (taken out), if it has one."""
+        return None if self._places is None else self._places.pop(holder)
 
     def wait(self, timeout: float | None = UNSET) -> bool:
         """Block until the place taken by :meth:`enqueue` is granted (``True``)
@@ -704,7 +717,7 @@ class Lock(Generic[_OnFailT]):
         _refuse_in_event_loop(self, "wait()", "`await lk.await_lock()`")
         holder = current_holder()
         deadline = Deadline(self._resolve_timeout(True, timeout))
-        queued = self._places.pop(holder)
+        queued = self._take_place(holder)
         if queued is None:
             self._acquired_by_enqueue(holder)
             return True
@@ -714,7 +727,7 @@ class Lock(Generic[_OnFailT]):
         """Async :meth:`wait`. Cancelling it gives the place up and leaves no lock."""
         holder = current_holder()
         deadline = Deadline(self._resolve_timeout(True, timeout))
-        queued = self._places.pop(holder)
+        queued = self._take_place(holder)
         if queued is None:
             await sync_to_async(self._acquired_by_enqueue)(holder)
             return True
@@ -799,7 +812,7 @@ class Lock(Generic[_OnFailT]):
         bound = object.__new__(type(self))
         bound.__dict__.update(self.__dict__)
         bound._keys = bound._make_keys(f"{func.__module__}.{func.__qualname__}")
-        bound._places = two_phase.Places()
+        bound._places = None
         return bound
 
     def _skipped(self) -> None:

@@ -36,7 +36,6 @@ from django.core.signals import setting_changed
 from django_dlock import signals
 
 if TYPE_CHECKING:
-    from django_dlock.options import Options
     from django_dlock.retry import Deadline
 
 __all__ = ["BACKENDS", "configure", "metrics_error", "observer"]
@@ -93,17 +92,24 @@ class PrometheusObserver:
     # -- the acquire path (called by Lock.acquire / Lock.aacquire) --------------
 
     def _failed(
-        self, opts: Options, deadline: Deadline, acquired: bool | None, cancelled: bool = False
+        self, strategy: str, deadline: Deadline, acquired: bool | None, cancelled: bool = False
     ) -> None:
         if acquired:
             return  # observed per key by the lock_acquired signal
         outcome = "cancelled" if cancelled else "error"
         if acquired is not None:  # False: the lock is held by someone else
             outcome = "skipped" if deadline.timeout == 0 else "timeout"
-        self._acquire_child(opts.strategy_name, outcome).observe(deadline.elapsed())
+        self._acquire_child(strategy, outcome).observe(deadline.elapsed())
 
-    def acquire(self, opts: Options, deadline: Deadline, attempt: Callable[[], bool]) -> bool:
-        waiting = deadline.timeout != 0 and not opts.queues_waiters
+    def acquire(
+        self, strategy: str, queued: bool, deadline: Deadline, attempt: Callable[[], bool]
+    ) -> bool:
+        """Run ``attempt`` (an acquire by ``strategy``), observing it.
+
+        ``queued``: its waiters take tickets in a queue, which counts them
+        in ``dlock_waiters`` itself.
+        """
+        waiting = deadline.timeout != 0 and not queued
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None
@@ -113,12 +119,17 @@ class PrometheusObserver:
         finally:
             if waiting:
                 self.waiters.dec()
-            self._failed(opts, deadline, acquired)
+            self._failed(strategy, deadline, acquired)
 
     async def aacquire(
-        self, opts: Options, deadline: Deadline, attempt: Callable[[], Awaitable[bool]]
+        self,
+        strategy: str,
+        queued: bool,
+        deadline: Deadline,
+        attempt: Callable[[], Awaitable[bool]],
     ) -> bool:
-        waiting = deadline.timeout != 0 and not opts.queues_waiters
+        """Async :meth:`acquire`."""
+        waiting = deadline.timeout != 0 and not queued
         if waiting:
             self.waiters.inc()
         acquired: bool | None = None
@@ -132,7 +143,7 @@ class PrometheusObserver:
         finally:
             if waiting:
                 self.waiters.dec()
-            self._failed(opts, deadline, acquired, cancelled)
+            self._failed(strategy, deadline, acquired, cancelled)
 
     # -- signals ------------------------------------------------------------------
 

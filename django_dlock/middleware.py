@@ -421,4 +421,3 @@ def _take_held(request: HttpRequest) -> tuple[Lock, Holder] | None:
     """The lock that ``process_view`` took for ``request`` (forgotten by the request)."""
     held: tuple[Lock, Holder] | None = request.__dict__.pop(HELD_ATTR, None)
     return held
-

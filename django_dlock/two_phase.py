@@ -37,8 +37,8 @@ from django_dlock.identity import Holder, current_holder, holder_alive
 from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Grant, Request, Strategy, TakesTickets
+from django_dlock.strategies.connection import psycopg3
 
 if TYPE_CHECKING:
     from django_dlock.strategies.advisory.pending import Pending

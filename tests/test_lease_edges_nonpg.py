@@ -80,7 +80,7 @@ def test_a_ticket_renewal_on_a_locked_sqlite_database_never_puts_the_ticket_back
     from django_dlock.retry import Deadline
     from django_dlock.strategies import queue
     from django_dlock.strategies.base import Request
-    from django_dlock.strategies.deadline import statement_deadline
+    from django_dlock.strategies.connection import statement_deadline
 
     req = Request(make_key("renewed"), "sqlite", "token-1", "owner", 30.0, False)
     ticket = queue.enqueue(req)

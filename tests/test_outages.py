@@ -15,8 +15,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from django.test import override_settings
 
 import django_dlock as dlock
-from django_dlock.strategies.connection import close_private_connections
-from django_dlock.strategies.deadline import _behind_pooler
+from django_dlock.strategies.connection import _pooler_seen, close_private_connections
 
 from .pgcluster import _accepts, attached_cluster
 
@@ -81,7 +80,7 @@ def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server)
 def test_the_first_lock_statement_of_a_process_during_an_outage(server):
     # Whether a pooler is in between is asked once per process and database,
     # by the first lock statement.
-    _behind_pooler.clear()
+    _pooler_seen.clear()
     server.stop()
     with pytest.raises(dlock.DatabaseUnavailable) as caught:
         dlock.lock("outage-first", using=ALIAS).acquire(timeout=0)

@@ -842,7 +842,7 @@ def test_a_statement_sent_just_before_the_deadline_is_given_up_at_it(tiny_bounce
     import time
 
     from django_dlock.retry import Deadline
-    from django_dlock.strategies.deadline import Abandoned, statement_deadline
+    from django_dlock.strategies.connection import Abandoned, statement_deadline
 
     query_on(TINY, "SELECT 1")  # connected, and known to go through a pooler
     deadline = Deadline(1.0)

@@ -13,8 +13,7 @@ from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Request
-from django_dlock.strategies.connection import _usable
-from django_dlock.strategies.deadline import statement_deadline
+from django_dlock.strategies.connection import _usable, statement_deadline
 
 logger = logging.getLogger("django_dlock")
 

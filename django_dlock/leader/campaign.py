@@ -45,8 +45,8 @@ from django_dlock.keys import Key
 from django_dlock.leader.backends import ADVISORY_TOKEN, _Backend
 from django_dlock.leader.leadership import STEPPING_DOWN, Leadership, _now
 from django_dlock.leader.workers import Dispatcher, IOThread
-from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Request
+from django_dlock.strategies.connection import psycopg3
 
 logger = logging.getLogger("django_dlock")
 

@@ -18,6 +18,7 @@ from django.dispatch import receiver
 
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
+from django_dlock.strategies.connection import psycopg3
 
 #: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
 MAX_LOCK_TIMEOUT_MS = 2_000_000_000
@@ -34,28 +35,6 @@ PG_LOCKS_MATCH = (
 
 #: the install command that brings psycopg 3 (from a checkout of the project)
 PSYCOPG_INSTALL = 'pip install -e ".[postgresql]"'
-
-
-def psycopg3() -> bool:
-    """Whether psycopg 3 can be imported (Django then uses it for PostgreSQL).
-
-    Without it Django runs PostgreSQL on psycopg2: the ``lease``, ``row`` and
-    ``advisory_xact`` statements run through Django's cursor, waiters poll
-    instead of being woken by ``NOTIFY``, and ``advisory`` (sessions of its
-    own, opened with psycopg 3) is refused.
-    """
-    global _psycopg3
-    if _psycopg3 is None:
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            _psycopg3 = False
-        else:
-            _psycopg3 = True
-    return _psycopg3
-
-
-_psycopg3: bool | None = None
 
 
 def require_psycopg3(what: str) -> None:

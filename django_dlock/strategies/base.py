@@ -3,7 +3,7 @@
 
 The helpers strategies share live next to it: lock connections in
 :mod:`django_dlock.strategies.connection`, the client-side statement
-deadline for poolers in :mod:`django_dlock.strategies.deadline`.
+deadline for poolers in :mod:`django_dlock.strategies.connection`.
 """
 
 from __future__ import annotations

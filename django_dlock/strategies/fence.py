@@ -41,8 +41,7 @@ flushed) before the number is returned.
 
 from __future__ import annotations
 
-from django_dlock.strategies.connection import fetch_one, with_reconnect
-from django_dlock.strategies.deadline import unwatched
+from django_dlock.strategies.connection import fetch_one, unwatched, with_reconnect
 from django_dlock.tables import FENCE_SEQUENCE
 
 #: bits below the timeline in a fencing number (numbers per timeline: 2**44)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from django_dlock.retry import Deadline
-from django_dlock.strategies.deadline import STATEMENT_FLOOR, watch_end
+from django_dlock.strategies.connection import STATEMENT_FLOOR, watch_end
 
 
 def test_statements_are_given_up_at_the_deadline():

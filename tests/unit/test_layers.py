@@ -128,9 +128,10 @@ def _asks_for_a_class(tree: ast.Module) -> Iterator[ast.AST]:
         if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance":
             if len(node.args) == 2 and CONCRETE.search(ast.unparse(node.args[1])):
                 yield node
-        elif isinstance(node, ast.ClassDef):
-            if any(CONCRETE.search(ast.unparse(base)) for base in node.bases):
-                yield node
+        elif isinstance(node, ast.ClassDef) and any(
+            CONCRETE.search(ast.unparse(base)) for base in node.bases
+        ):
+            yield node
 
 
 def test_generic_code_asks_for_capabilities_not_classes_or_names():

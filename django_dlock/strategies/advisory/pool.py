@@ -27,7 +27,7 @@ import psycopg
 from django.db import connections
 
 from django_dlock.strategies.advisory.session import Session, SessionSwitched
-from django_dlock.strategies.deadline import DIRECT_GRACE, Abandoned, deadline_end
+from django_dlock.strategies.connection import DIRECT_GRACE, Abandoned, deadline_end
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder

@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import psycopg
 
 from django_dlock.exceptions import DatabaseUnavailable, DLockError, SessionBusy
-from django_dlock.strategies.deadline import DIRECT_GRACE, Abandoned, deadline_end, watched_raw
+from django_dlock.strategies.connection import DIRECT_GRACE, Abandoned, deadline_end, watched_raw
 
 if TYPE_CHECKING:
     from django_dlock.identity import Holder
@@ -166,10 +166,10 @@ class Session:
         """Run one short prepared statement; return its first row (text values).
 
         In an acquire with a timeout, a server that has not answered
-        :data:`~django_dlock.strategies.deadline.DIRECT_GRACE` after the
+        :data:`~django_dlock.strategies.connection.DIRECT_GRACE` after the
         deadline is taken for frozen: the session is ended (which frees
         whatever it held, reported lost) and
-        :class:`~django_dlock.strategies.deadline.Abandoned` is raised.
+        :class:`~django_dlock.strategies.connection.Abandoned` is raised.
 
         The statement goes straight to libpq (``PQexecPrepared``, which
         releases the GIL): a few microseconds instead of a cursor's tens.

@@ -17,7 +17,6 @@ from typing import Any
 from django.db import IntegrityError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_dlock import dbclock
 from django_dlock.conf import conf
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Request
@@ -51,7 +50,7 @@ def try_acquire(req: Request, ticket: int | None = None) -> int | None:
 
 def acquire_on(connection: BaseDatabaseWrapper, req: Request, ticket: int | None) -> int | None:
     """One try on ``connection``: the fencing number, or ``None`` if not granted."""
-    vendor = dbclock.vendor(connection)
+    vendor = connection.vendor  # one of the three: checked with the strategy
     if vendor == "mysql":
         return _mysql_acquire(connection, req, ticket)
     name, token = req.key.name, req.token

@@ -25,8 +25,8 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable
 from django_dlock.retry import Deadline, interval
 from django_dlock.strategies import queue
-from django_dlock.strategies._pg import psycopg3
 from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import psycopg3
 from django_dlock.strategies.lease.acquire import try_acquire
 from django_dlock.strategies.lease.sql import TABLE, WAITERS, read
 
