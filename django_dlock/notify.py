@@ -3,8 +3,10 @@
 One listener per process and database alias: a daemon thread with its own
 psycopg connection in autocommit mode that has run ``LISTEN django_dlock``.
 A release sends ``pg_notify('django_dlock', name)`` in the same statement
-that ends the lease, so the waiters on that name wake as soon as the release
-commits, without polling.
+that ends the lease when a waiter is queued for it, so the head of the queue
+wakes as soon as the release commits, without polling; :func:`wake` sends
+it for a name whose listeners are not in the queue (an election's
+candidates).
 
 A waiter registers before it looks at the lock, so a release that happens
 between the look and the wait still wakes it. If the listener's connection
@@ -214,6 +216,25 @@ def _connect_like(alias: str) -> Callable[[], Any]:
         return psycopg.Connection.connect(autocommit=True, **params)
 
     return connect
+
+
+def wake(alias: str, name: str) -> None:
+    """Wake whoever listens for ``name`` on ``alias`` (PostgreSQL; elsewhere nothing).
+
+    For a name whose release does not announce itself: a lease's release
+    wakes only the head of its key's waiter queue, while the candidates of
+    an election listen for its lease ``leader:<name>`` by name. Best effort:
+    a candidate that misses it looks again at its retry period.
+    """
+    from django_dlock.strategies.connection import fetch_one, lock_connection
+
+    connection = lock_connection(alias)
+    if connection.vendor != "postgresql":
+        return
+    try:
+        fetch_one(connection, "SELECT pg_notify(%s, %s)", [CHANNEL, name])
+    except Exception:  # the release stands; the candidates will look anyway
+        logger.debug("django-dlock: could not wake the listeners of %s", name, exc_info=True)
 
 
 def listener(alias: str) -> Listener:

@@ -143,6 +143,26 @@ def test_one_leader_then_graceful_handover(alias, changes):
     assert all(c["name"] == "leader:sched" for c in changes)
 
 
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_a_step_down_wakes_the_standbys_on_postgresql():
+    # Standbys that look again only every minute: only the wake-up the
+    # stepping-down leader sends (NOTIFY) can make B lead within the bound.
+    slow = {"lease": 120.0, "renew_deadline": 100.0, "retry": 60.0}
+    events: list = []
+    a = election("default", events=events, identity="A", **slow)
+    b = election("default", events=events, identity="B", **slow)
+    try:
+        a.start()
+        wait_until(lambda: a.is_leader)
+        b.start()
+        wait_until(lambda: ("B", "new", "A") in events)  # B's campaign failed: it waits
+        a.stop()
+        wait_until(lambda: b.is_leader, timeout=20)
+    finally:
+        b.stop()
+        a.stop()
+
+
 def b_term(events: list) -> int:
     return next(e[2] for e in events if e[:2] == ("B", "started"))
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
+from django_dlock import notify
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
 from django_dlock.retry import Deadline
@@ -106,7 +107,10 @@ class _LeaseBackend:
         return self.lease.extend(req, req.ttl)
 
     def release(self, req: Request) -> bool:
-        return self.lease.release(req)
+        released = self.lease.release(req)
+        if released:
+            notify.wake(req.alias, req.key.name)  # the candidates listen by name
+        return released
 
     def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:
         left = self.lease.seconds_left(req.alias, req.key)
@@ -176,6 +180,8 @@ class _AdvisoryBackend:
         # The lock first: a standby woken by the row's NOTIFY must find it free.
         unlocked = self.advisory.release(req)
         released = self.lease.release(req)
+        if released:
+            notify.wake(req.alias, req.key.name)  # the candidates listen by name
         return unlocked and released
 
     def observe(self, req: Request, lease: float) -> tuple[LeaderRecord | None, float]:

@@ -133,15 +133,14 @@ RETURNING fence
 """
 
 # Wakes the head of the key's queue, if any (nothing is sent when nobody
-# waits), and the candidates of an election, which listen by name.
+# waits).
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
     RETURNING name{{returning}}
 )
-SELECT {queue.PG_WAKE_HEAD.format(name="released.name")},
-       CASE WHEN left(name, 7) = 'leader:' THEN pg_notify('{NOTIFY_CHANNEL}', name) END
+SELECT {queue.PG_WAKE_HEAD.format(name="released.name")}
 FROM released
 """
 PG_RELEASE_SQL = {
