@@ -72,7 +72,8 @@ def _docs_sessions_closed(django_db_setup: None) -> Iterator[None]:
     from asgiref.sync import sync_to_async
     from django.db import connections
 
-    from django_dlock import notify, sessions
+    from django_dlock import notify
+    from django_dlock.strategies.advisory import pool as sessions
 
     yield
     notify.stop_all()
@@ -131,7 +132,8 @@ def _test_databases_first(request: pytest.FixtureRequest) -> None:
 def django_db_setup(django_db_setup: None) -> Iterator[None]:
     # Before the test databases are dropped, the LISTEN connections and idle
     # advisory sessions are closed.
-    from django_dlock import notify, sessions
+    from django_dlock import notify
+    from django_dlock.strategies.advisory import pool as sessions
 
     yield
     notify.stop_all()

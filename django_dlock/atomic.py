@@ -11,7 +11,7 @@ from django.db import connections, transaction
 
 from django_dlock.keys import LockKey
 from django_dlock.locks import Lock, LockOptions
-from django_dlock.strategies import get_strategy
+from django_dlock.strategies import traits
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -66,7 +66,7 @@ def lock_and_atomic(
     lk = Lock(key, using=using, **options)
     alias = lk.alias
     atomic = transaction.atomic(using=alias, savepoint=savepoint, durable=durable)
-    if get_strategy(lk.strategy_name).transaction_scoped:
+    if traits(lk.strategy_name)[1]:  # transaction-scoped
         with atomic, lk:
             yield lk
         return

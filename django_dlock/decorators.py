@@ -37,9 +37,8 @@ from typing import Any, TypeVar, cast
 
 from django.http import HttpRequest
 
-# Key templates and contention answers live in django_dlock._http; their
-# names stay importable from here, where the documentation puts them. The
-# key template errors are in django_dlock.exceptions (also importable here).
+# Key templates and contention answers are made in django_dlock._http
+# (private); this module is their public home.
 from django_dlock._http import (
     Contention,
     ContentionPolicy,
@@ -54,7 +53,7 @@ from django_dlock._http import (
     release_on_close,
     resource_of,
 )
-from django_dlock.exceptions import KeyTemplateError, MissingKeyArgument, StrategyNotSupported
+from django_dlock.exceptions import MissingKeyArgument, StrategyNotSupported
 from django_dlock.locks import Lock
 from django_dlock.validation import (
     alias_error,
@@ -69,16 +68,12 @@ __all__ = [
     "Contention",
     "ContentionPolicy",
     "KeyTemplate",
-    "KeyTemplateError",
-    "MissingKeyArgument",
-    "contention_policy_error",
     "fit_key",
     "locked_response",
     "options_error",
     "release_as",
     "release_on_close",
     "resource_of",
-    "retry_after_error",
     "with_lock",
 ]
 

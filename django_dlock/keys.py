@@ -178,3 +178,19 @@ def _make_key(key: Any, namespace: str) -> Key:
         "a lock key must be a str, a two-part tuple or a saved model instance, "
         f"not {type(key).__name__}"
     )
+
+
+def pg_locks_ids(key: Key) -> tuple[int, int, int]:
+    """Where ``key`` shows in ``pg_locks``: ``(classid, objid, objsubid)``.
+
+    A one-part (bigint) key ``k`` is split into its high and low 32 bits,
+    read as unsigned: ``classid = (k >> 32) & 0xFFFFFFFF``,
+    ``objid = k & 0xFFFFFFFF``, ``objsubid = 1``. A two-part key ``(a, b)``
+    shows as ``classid = a & 0xFFFFFFFF``, ``objid = b & 0xFFFFFFFF``,
+    ``objsubid = 2`` (negative parts wrap around to unsigned oids).
+    """
+    if len(key.advisory) == 1:
+        (k,) = key.advisory
+        return (k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF, 1
+    a, b = key.advisory
+    return a & 0xFFFFFFFF, b & 0xFFFFFFFF, 2

@@ -70,7 +70,7 @@ from django_dlock.identity import Holder, current_holder
 from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.options import Options
 from django_dlock.retry import Deadline
-from django_dlock.strategies import get_strategy, supported, traits
+from django_dlock.strategies import supported, traits
 from django_dlock.strategies.base import HELD, ExplainsBusy, Request, Strategy
 from django_dlock.strategies.connection import statement_deadline
 from django_dlock.validation import (
@@ -386,18 +386,16 @@ class Lock(Generic[_OnFailT]):
 
     def _strategy(self, alias: str) -> Strategy:
         if self._quorum is not None:
-            strategy = self._chosen()
+            strategy = self._quorum_strategy(self._quorum)
             strategy.check_supported(connections[alias])
             return strategy
         return supported(self.strategy_name, alias)
 
-    def _chosen(self) -> Strategy:
-        """The strategy by name, or its quorum over the databases of ``using=[...]``."""
-        if self._quorum is not None:
-            from django_dlock.strategies.quorum import quorum_strategy
+    def _quorum_strategy(self, aliases: tuple[str, ...]) -> Strategy:
+        """The strategy's quorum over the databases of ``using=[...]``."""
+        from django_dlock.strategies.quorum import quorum_strategy
 
-            return quorum_strategy(self.strategy_name, self._quorum)
-        return get_strategy(self.strategy_name)
+        return quorum_strategy(self.strategy_name, aliases)
 
     # -- the calling holder's view -----------------------------------------
 
@@ -405,7 +403,7 @@ class Lock(Generic[_OnFailT]):
         holder = holder or current_holder()
         alias = self.alias
         if self._quorum is not None:
-            family = self._chosen().family
+            family = self._quorum_strategy(self._quorum).family
         else:
             family = traits(self.strategy_name)[0]
         found = []

@@ -13,9 +13,10 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 import django_dlock as dlock
-from django_dlock import sessions, signals
+from django_dlock import signals
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import mysql_session
+from django_dlock.strategies.advisory import pool as sessions
 from django_dlock.strategies.advisory.mysql import MAX_NAME_LENGTH, lock_name
 from django_dlock.strategies.connection import close_private_connections
 

@@ -17,15 +17,8 @@ from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client
 
 import django_dlock as dlock
-from django_dlock.decorators import (
-    Contention,
-    KeyTemplate,
-    KeyTemplateError,
-    MissingKeyArgument,
-    fit_key,
-    locked_response,
-    with_lock,
-)
+from django_dlock.decorators import Contention, KeyTemplate, fit_key, locked_response, with_lock
+from django_dlock.exceptions import KeyTemplateError, MissingKeyArgument
 
 from .helpers import in_thread, wait_until
 from .views import PROBE

@@ -15,40 +15,6 @@ from django_dlock._threads import SerialThread, start_db_thread
 from .helpers import wait_until
 
 
-def test_moved_names_stay_importable_from_their_documented_homes():
-    from django_dlock import _http, decorators, exceptions, leader, validation
-    from django_dlock.leader import campaign
-
-    for name in ("Contention", "KeyTemplate"):
-        assert getattr(decorators, name) is getattr(_http, name)
-    for name in ("KeyTemplateError", "MissingKeyArgument"):
-        assert getattr(decorators, name) is getattr(exceptions, name)
-        assert name not in _http.__all__
-    assert decorators.locked_response is _http.locked_response
-    assert decorators.fit_key is _http.fit_key
-    assert leader.validate_timing is validation.validate_timing
-    assert leader.JITTER == validation.JITTER == 1.2
-    assert leader.EXPIRY_MARGIN is campaign.EXPIRY_MARGIN
-
-
-def test_the_advisory_modules_stay_importable_from_their_former_homes():
-    from django_dlock import sessions, strategies
-    from django_dlock.strategies import advisory
-    from django_dlock.strategies.advisory import executor, mysql, pool, postgresql, session, vendors
-
-    assert sessions.close_all is pool.close_all
-    assert sessions.MAX_IDLE == pool.MAX_IDLE
-    assert sessions.WAIT_THREADS == executor.WAIT_THREADS
-    assert sessions.SessionSwitched is session.SessionSwitched
-    assert advisory.pg_locks_ids is postgresql.pg_locks_ids
-    assert advisory.PG_LOCKS_MATCH is postgresql.PG_LOCKS_MATCH
-    assert advisory.advisory is postgresql.advisory
-    registered = strategies.get_strategy("advisory")
-    assert registered is vendors.advisory
-    assert vendors.advisory.for_vendor("postgresql") is postgresql.advisory
-    assert vendors.advisory.for_vendor("mysql") is mysql.advisory_mysql
-
-
 def test_the_operator_functions_stay_importable_from_django_dlock_operations():
     from django_dlock import operations
     from django_dlock.operations import lease_rows, mysql_user_locks, pg_advisory
@@ -120,15 +86,47 @@ def test_a_serial_thread_runs_calls_in_order_then_closes_its_connection():
 def test_one_import_path_per_name_no_former_homes():
     import importlib
 
-    from django_dlock import conf
-    from django_dlock.strategies import base
+    from django_dlock import conf, decorators, exceptions, leader
+    from django_dlock.strategies import advisory, base
 
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("django_dlock.strategies.advisory_mysql")
+    for gone in (
+        "django_dlock.sessions",
+        "django_dlock.strategies.advisory_mysql",
+        "django_dlock.strategies.advisory.vendors",
+        "django_dlock.strategies.deadline",
+    ):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
     for name in ("lock_connection", "close_private_connections", "Abandoned", "behind_pooler"):
-        assert not hasattr(base, name), name  # their home: strategies.connection / .deadline
+        assert not hasattr(base, name), name  # their home: strategies.connection
     for name in ("ttl_error", "strategy_error", "MAX_SECONDS", "STRATEGIES"):
         assert name not in conf.__all__, name  # their home: django_dlock.validation
+    # the advisory package hands on nothing: each name has its module
+    assert not hasattr(advisory, "pg_locks_ids") and not hasattr(advisory, "advisory")
+    # errors are exported by django_dlock and django_dlock.exceptions only
+    assert not set(decorators.__all__) & set(exceptions.__all__)
+    # the leader package exports what users call, not the modules' internals
+    assert set(leader.__all__) == {
+        "LeaderElection",
+        "LeaderRecord",
+        "Leadership",
+        "STEPPING_DOWN",
+        "TargetDied",
+        "current_leadership",
+    }
+
+
+def test_one_registry_names_each_strategy_per_database():
+    from django_dlock import strategies
+    from django_dlock.strategies.advisory import mysql, postgresql
+
+    assert strategies.implementation("advisory", "postgresql") is postgresql.advisory
+    assert strategies.implementation("advisory", "mysql") is mysql.advisory_mysql
+    lease = strategies.implementation("lease", "sqlite")
+    assert strategies.implementation("lease", "postgresql") is lease
+    with pytest.raises(strategies.StrategyNotSupported, match="needs PostgreSQL or MySQL"):
+        strategies.implementation("advisory", "sqlite")
+    assert set(strategies.REGISTRY) == {"lease", "advisory", "advisory_xact", "row"}
 
 
 def test_the_models_and_the_sql_take_their_table_names_from_one_module():

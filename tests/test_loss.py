@@ -25,8 +25,9 @@ import pytest
 from django.db import connections
 
 import django_dlock as dlock
-from django_dlock import sessions, signals
+from django_dlock import signals
 from django_dlock.operations import force_release
+from django_dlock.strategies.advisory import pool as sessions
 
 from .helpers import wait_until
 

@@ -24,11 +24,12 @@ from django.db import connections
 from django.test.utils import override_settings
 
 import django_dlock as dlock
-from django_dlock import notify, sessions
+from django_dlock import notify
 from django_dlock.checks import database_messages
-from django_dlock.keys import make_key
+from django_dlock.keys import make_key, pg_locks_ids
 from django_dlock.strategies import queue
-from django_dlock.strategies.advisory import pg_locks_ids
+from django_dlock.strategies.advisory import pool as sessions
+from django_dlock.strategies.advisory.session import SessionSwitched
 from django_dlock.strategies.connection import close_private_connections
 
 from . import pgbouncer, procs
@@ -614,7 +615,7 @@ def test_advisory_through_pgbouncer_in_transaction_mode_is_refused_before_any_lo
                 refusals.append(exc)
 
     run_threads(work, [(i,) for i in range(4)])
-    assert refusals and all(isinstance(e, sessions.SessionSwitched) for e in refusals), refusals
+    assert refusals and all(isinstance(e, SessionSwitched) for e in refusals), refusals
     assert "transaction mode" in str(refusals[0])
     for key in keys:  # nothing stranded on PgBouncer's server sessions
         assert _advisory_locks_on(key) == 0

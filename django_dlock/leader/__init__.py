@@ -36,14 +36,7 @@ Identity is per process (the worker: host and pid, or ``identity=``), never
 per thread: any thread of the process sees the same ``is_leader``.
 """
 
-from django_dlock.leader.backends import ADVISORY_TOKEN
-from django_dlock.leader.election import (
-    EXPIRY_MARGIN,
-    JITTER,
-    STRATEGIES,
-    LeaderElection,
-    validate_timing,
-)
+from django_dlock.leader.election import LeaderElection
 from django_dlock.leader.isolation import TargetDied
 from django_dlock.leader.leadership import (
     STEPPING_DOWN,
@@ -53,15 +46,10 @@ from django_dlock.leader.leadership import (
 )
 
 __all__ = [
-    "ADVISORY_TOKEN",
-    "EXPIRY_MARGIN",
-    "JITTER",
     "STEPPING_DOWN",
-    "STRATEGIES",
     "LeaderElection",
     "LeaderRecord",
     "Leadership",
     "TargetDied",
     "current_leadership",
-    "validate_timing",
 ]

@@ -136,10 +136,10 @@ class _AdvisoryBackend:
     """
 
     def __init__(self, on_lost: Callable[[str], None], bound: float) -> None:
-        from django_dlock.strategies import get_strategy
+        from django_dlock.strategies import implementation
         from django_dlock.strategies.lease import lease
 
-        self.advisory = get_strategy("advisory")
+        self.advisory = implementation("advisory", "postgresql")
         self.lease = lease
         self.on_lost = on_lost
         self.warned = False
@@ -202,7 +202,8 @@ class _AdvisoryBackend:
         has just taken the lock is never mistaken for it: its session has
         just run the lock statement.
         """
-        from django_dlock.strategies._pg import PG_LOCKS_MATCH, pg_locks_ids
+        from django_dlock.keys import pg_locks_ids
+        from django_dlock.strategies._pg import PG_LOCKS_MATCH
         from django_dlock.strategies.connection import fetch_one, lock_connection
 
         if self.lease.seconds_left(req.alias, req.key) > 0:

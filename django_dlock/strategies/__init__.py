@@ -1,4 +1,11 @@
-"""Strategy registry: the name given to ``lock(strategy=...)`` -> implementation."""
+"""The strategy registry: one table, name -> database vendor -> implementation.
+
+``lock(strategy="advisory")`` names a way of locking; which code does it
+depends on the database: PostgreSQL's session advisory locks on PostgreSQL,
+``GET_LOCK`` user locks on MySQL/MariaDB. :data:`REGISTRY` says it once
+for every strategy, and :func:`supported` resolves a name on a database
+alias to the implementation that acts there, checked once per engine.
+"""
 
 from __future__ import annotations
 
@@ -15,58 +22,90 @@ from django_dlock.validation import strategy_error
 if TYPE_CHECKING:
     from django_dlock.strategies.base import Strategy
 
-# name -> "module:attribute", imported on first use
-REGISTRY: dict[str, str] = {
-    "lease": "django_dlock.strategies.lease:lease",
-    "advisory": "django_dlock.strategies.advisory.vendors:advisory",  # PostgreSQL, MySQL/MariaDB
-    "advisory_xact": "django_dlock.strategies.xact:advisory_xact",
-    "row": "django_dlock.strategies.row:row",
+__all__ = ["REGISTRY", "implementation", "supported", "traits"]
+
+#: ``"*"``: one implementation for every database (it checks which it can do)
+ANY = "*"
+
+#: name -> vendor -> "module:attribute", imported on first use
+REGISTRY: dict[str, dict[str, str]] = {
+    "lease": {ANY: "django_dlock.strategies.lease:lease"},
+    "advisory": {
+        "postgresql": "django_dlock.strategies.advisory.postgresql:advisory",
+        "mysql": "django_dlock.strategies.advisory.mysql:advisory_mysql",
+    },
+    "advisory_xact": {ANY: "django_dlock.strategies.xact:advisory_xact"},
+    "row": {ANY: "django_dlock.strategies.row:row"},
 }
 
+_VENDOR_NAMES = {"postgresql": "PostgreSQL", "mysql": "MySQL/MariaDB", "sqlite": "SQLite"}
 
 _loaded: dict[str, Strategy] = {}
 
 
-def get_strategy(name: str) -> Strategy:
-    """The strategy called ``name``.
-
-    Raises:
-        StrategyNotSupported: the name is unknown or not available.
-    """
+def _vendors(name: str) -> dict[str, str]:
     problem = strategy_error(name)
     if problem is not None:
         raise StrategyNotSupported(problem)
-    if name not in REGISTRY:
-        raise StrategyNotSupported(f"the {name!r} strategy is not available in this version")
-    found = _loaded.get(name)
+    found = REGISTRY.get(name)
     if found is None:
-        module, _, attribute = REGISTRY[name].partition(":")
-        found = _loaded[name] = getattr(import_module(module), attribute)
+        raise StrategyNotSupported(f"the {name!r} strategy is not available in this version")
     return found
 
 
-#: (strategy name, alias, ENGINE) -> the strategy, its support for that database checked
+def implementation(name: str, vendor: str) -> Strategy:
+    """The implementation of the strategy ``name`` on a database of ``vendor``.
+
+    Raises:
+        StrategyNotSupported: the name is unknown, or that database has none.
+    """
+    vendors = _vendors(name)
+    path = vendors.get(vendor) or vendors.get(ANY)
+    if path is None:
+        needs = " or ".join(_VENDOR_NAMES.get(each, each) for each in vendors)
+        raise StrategyNotSupported(
+            f"the {name} strategy needs {needs}; a {_VENDOR_NAMES.get(vendor, vendor)} "
+            "database has no such locks: use the lease strategy"
+        )
+    found = _loaded.get(path)
+    if found is None:
+        module, _, attribute = path.partition(":")
+        try:
+            loaded = import_module(module)
+        except ImportError:
+            if vendor == "postgresql":  # sessions of its own need psycopg 3
+                from django_dlock.strategies._pg import require_psycopg3
+
+                require_psycopg3(f"the {name} strategy on PostgreSQL")
+            raise
+        found = _loaded[path] = getattr(loaded, attribute)
+    return found
+
+
+#: (strategy name, alias, ENGINE) -> the implementation, its support for that database checked
 _SUPPORTED: dict[tuple[str, str, Any], Strategy] = {}
 
 
 def supported(name: str, alias: str) -> Strategy:
-    """The strategy ``name`` on ``alias``, checked once per database engine.
+    """The implementation of the strategy ``name`` on ``alias``, checked once per engine.
 
-    A strategy with one implementation per database (``advisory``: PostgreSQL
-    or MySQL/MariaDB) resolves to the one for ``alias``, so that acquire and
-    release do not look it up again. A strategy the database cannot do raises
-    :class:`StrategyNotSupported` at every call (nothing is remembered).
+    A strategy the database cannot do raises :class:`StrategyNotSupported`
+    at every call (nothing is remembered).
     """
     database = connections.settings.get(alias)
     slot = (name, alias, None if database is None else database.get("ENGINE"))
     found = _SUPPORTED.get(slot)
     if found is None:
-        from django_dlock.strategies.advisory.vendors import ByVendor
-
-        found = get_strategy(name)
-        found.check_supported(connections[alias])
-        if isinstance(found, ByVendor):
-            found = found.implementation(alias)
+        connection = connections[alias]
+        vendors = _vendors(name)
+        if connection.vendor not in vendors and ANY not in vendors:
+            needs = " or ".join(_VENDOR_NAMES.get(each, each) for each in vendors)
+            raise StrategyNotSupported(
+                f"the {name} strategy needs {needs}; database {alias!r} is "
+                f"{connection.vendor}: use the lease strategy"
+            )
+        found = implementation(name, connection.vendor)
+        found.check_supported(connection)
         _SUPPORTED[slot] = found
     return found
 
@@ -78,18 +117,32 @@ _TRAITS: dict[str, tuple[str, bool, bool]] = {}
 def traits(name: str) -> tuple[str, bool, bool]:
     """The family of the strategy called ``name``, whether it is transaction-scoped,
     and whether its waiters take tickets in a queue of its own
-    (:class:`~django_dlock.strategies.base.TakesTickets`)."""
+    (:class:`~django_dlock.strategies.base.TakesTickets`): the same on
+    every database."""
     found = _TRAITS.get(name)
     if found is None:
         from django_dlock.strategies.base import TakesTickets
 
-        strategy = get_strategy(name)
+        strategy = _any_implementation(name)
         found = _TRAITS[name] = (
             strategy.family,
             strategy.transaction_scoped,
             isinstance(strategy, TakesTickets),
         )
     return found
+
+
+def _any_implementation(name: str) -> Strategy:
+    """An implementation of ``name`` that loads here (their traits are the same;
+    one may need a driver this site does not have, as advisory on PostgreSQL)."""
+    problem: StrategyNotSupported | None = None
+    for vendor in _vendors(name):
+        try:
+            return implementation(name, vendor)
+        except StrategyNotSupported as exc:
+            problem = exc
+    assert problem is not None
+    raise problem
 
 
 @receiver(setting_changed)

@@ -1,7 +1,7 @@
 """PostgreSQL helpers shared by the advisory strategies and ``row``.
 
-Where an advisory lock shows in ``pg_locks`` (:func:`pg_locks_ids`,
-:data:`PG_LOCKS_MATCH`), the ``lock_timeout`` of a bounded wait
+Where an advisory lock shows in ``pg_locks`` (:data:`PG_LOCKS_MATCH`, with
+:func:`django_dlock.keys.pg_locks_ids`), the ``lock_timeout`` of a bounded wait
 (:func:`lock_timeout_ms`), the SQLSTATE of an error (:func:`sqlstate`) and
 the ``DLOCK_ADVISORY_FENCING`` setting (:func:`fencing`). See the PostgreSQL
 documentation on advisory locks and on the ``pg_locks`` view.
@@ -16,7 +16,6 @@ from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies.connection import psycopg3
 
@@ -47,22 +46,6 @@ def require_psycopg3(what: str) -> None:
             f"on psycopg2 here): install the postgresql extra, `{PSYCOPG_INSTALL}` in "
             "a checkout of django-dlock, or use the lease strategy"
         )
-
-
-def pg_locks_ids(key: Key) -> tuple[int, int, int]:
-    """Where ``key`` shows in ``pg_locks``: ``(classid, objid, objsubid)``.
-
-    A one-part (bigint) key ``k`` is split into its high and low 32 bits,
-    read as unsigned: ``classid = (k >> 32) & 0xFFFFFFFF``,
-    ``objid = k & 0xFFFFFFFF``, ``objsubid = 1``. A two-part key ``(a, b)``
-    shows as ``classid = a & 0xFFFFFFFF``, ``objid = b & 0xFFFFFFFF``,
-    ``objsubid = 2`` (negative parts wrap around to unsigned oids).
-    """
-    if len(key.advisory) == 1:
-        (k,) = key.advisory
-        return (k >> 32) & 0xFFFFFFFF, k & 0xFFFFFFFF, 1
-    a, b = key.advisory
-    return a & 0xFFFFFFFF, b & 0xFFFFFFFF, 2
 
 
 def sqlstate(exc: BaseException) -> str | None:

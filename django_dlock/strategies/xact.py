@@ -25,14 +25,13 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError
-from django_dlock.keys import Key
+from django_dlock.keys import Key, pg_locks_ids
 from django_dlock.retry import Deadline
 from django_dlock.strategies._pg import (
     MAX_LOCK_TIMEOUT_MS,
     PG_LOCKS_MATCH,
     fencing,
     lock_timeout_ms,
-    pg_locks_ids,
     sqlstate,
 )
 from django_dlock.strategies.base import Grant, Request, Strategy

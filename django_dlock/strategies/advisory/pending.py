@@ -29,10 +29,8 @@ WATCH_SECONDS = 0.25
 def pending_capable(strategy: Strategy, vendor: str) -> SessionAsyncAcquire | None:
     """The PostgreSQL advisory implementation behind ``strategy``, if it is one."""
     from django_dlock.strategies.advisory.postgresql import AdvisoryStrategy
-    from django_dlock.strategies.advisory.vendors import ByVendor
 
-    found = strategy.for_vendor(vendor) if isinstance(strategy, ByVendor) else strategy
-    return found if isinstance(found, AdvisoryStrategy) else None
+    return strategy if isinstance(strategy, AdvisoryStrategy) else None
 
 
 class Pending:

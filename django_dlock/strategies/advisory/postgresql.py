@@ -47,7 +47,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg.types.numeric import Int4, Int8
 
 from django_dlock.exceptions import DLockError
-from django_dlock.keys import Key
+from django_dlock.keys import Key, pg_locks_ids
 from django_dlock.retry import Deadline
 from django_dlock.strategies._pg import (
     DATABASE,
@@ -55,7 +55,6 @@ from django_dlock.strategies._pg import (
     PG_LOCKS_MATCH,
     fencing,
     lock_timeout_ms,
-    pg_locks_ids,
 )
 from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.advisory.session import (
