@@ -72,12 +72,10 @@ def _docs_sessions_closed(django_db_setup: None) -> Iterator[None]:
     from asgiref.sync import sync_to_async
     from django.db import connections
 
-    from django_dlock import notify
-    from django_dlock.strategies.advisory import pool as sessions
+    import django_dlock as dlock
 
     yield
-    notify.stop_all()
-    sessions.close_all()
+    dlock.close_connections()
     # async examples ran Django queries in asgiref's shared sync thread
     asyncio.run(sync_to_async(connections.close_all)())
 
@@ -132,9 +130,7 @@ def _test_databases_first(request: pytest.FixtureRequest) -> None:
 def django_db_setup(django_db_setup: None) -> Iterator[None]:
     # Before the test databases are dropped, the LISTEN connections and idle
     # advisory sessions are closed.
-    from django_dlock import notify
-    from django_dlock.strategies.advisory import pool as sessions
+    import django_dlock as dlock
 
     yield
-    notify.stop_all()
-    sessions.close_all()
+    dlock.close_connections()

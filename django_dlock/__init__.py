@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from django_dlock import _logging  # noqa: F401  (escapes control characters in log lines)
@@ -50,6 +51,7 @@ __all__ = [
     "TaskLock",
     "TransactionRequired",
     "__version__",
+    "close_connections",
     "lock",
     "lock_and_atomic",
 ]
@@ -59,6 +61,30 @@ if TYPE_CHECKING:
     from django_dlock.leader import LeaderElection
     from django_dlock.locks import Lock, lock
     from django_dlock.tasklock import TaskLock
+
+
+def close_connections() -> None:
+    """Close the connections django-dlock opened in this process.
+
+    The ``LISTEN`` connections that wake lease waiters, the idle sessions of
+    the ``advisory`` strategy, the quorum's worker connections, and the
+    calling thread's private lock connection (what lock statements made
+    inside ``transaction.atomic`` run on). Call it before a test database is
+    dropped: PostgreSQL refuses to drop a database that still has sessions.
+    Locks held on a session that is closed are released by the server.
+    """
+    from django_dlock import notify
+    from django_dlock.strategies.connection import close_private_connections
+
+    notify.stop_all()
+    # only what was loaded can have opened anything (and advisory needs a driver)
+    pool = sys.modules.get("django_dlock.strategies.advisory.pool")
+    if pool is not None:
+        pool.close_all()
+    workers = sys.modules.get("django_dlock.strategies.quorum.workers")
+    if workers is not None:
+        workers.close_all()
+    close_private_connections()
 
 
 def __getattr__(name: str) -> Any:

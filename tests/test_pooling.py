@@ -236,6 +236,19 @@ def test_close_private_connections_closes_the_side_connection():
     wait_until(lambda: not query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]))
 
 
+def test_close_connections_closes_every_connection_django_dlock_opened():
+    mine = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> %s"
+    me = query("SELECT pg_backend_pid()")[0][0]
+    before = {pid for (pid,) in query(mine, [me])}
+    with dlock.lock("close:advisory", strategy="advisory", using="default"):
+        pass  # its session goes back to the pool, idle
+    assert notify.listener("default").wait_ready(5)  # the LISTEN of lease waiters
+    opened = {pid for (pid,) in query(mine, [me])} - before
+    assert len(opened) == 2  # the idle session and the listener
+    dlock.close_connections()
+    wait_until(lambda: not opened & {pid for (pid,) in query(mine, [me])})
+
+
 @needs_django_pool
 def test_djangos_pool_never_hands_a_held_lock_to_the_next_borrower(django_pool):
     lk = dlock.lock("pooled", strategy=ADV)
