@@ -78,10 +78,10 @@ def close_connections() -> None:
 
     notify.stop_all()
     # only what was loaded can have opened anything (and advisory needs a driver)
-    pool = sys.modules.get("django_dlock.strategies.advisory.pool")
+    pool = sys.modules.get("django_dlock.strategies.advisory.sessions")
     if pool is not None:
         pool.close_all()
-    workers = sys.modules.get("django_dlock.strategies.quorum.workers")
+    workers = sys.modules.get("django_dlock.strategies.quorum.rounds")
     if workers is not None:
         workers.close_all()
     close_private_connections()

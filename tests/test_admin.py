@@ -565,7 +565,7 @@ def test_advisory_page_names_the_keys_it_can(admin_client_, advisory_holder):
 
 
 def test_advisory_page_names_a_running_advisory_election(admin_client_):
-    from django_dlock.strategies.advisory import pool as sessions
+    from django_dlock.strategies.advisory import sessions
 
     made = dlock.LeaderElection(
         "nightly-jobs", strategy="advisory", lease=10.0, renew_deadline=5.0, retry=0.4

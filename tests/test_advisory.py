@@ -16,8 +16,7 @@ from django.test.utils import CaptureQueriesContext, override_settings
 import django_dlock as dlock
 from django_dlock import signals
 from django_dlock.keys import hash32, hash64, make_key, pg_locks_ids
-from django_dlock.strategies.advisory import executor
-from django_dlock.strategies.advisory import pool as sessions
+from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.connection import close_private_connections
 
 from . import procs
@@ -437,7 +436,7 @@ def test_cancelled_async_wait_leaves_nothing_held():
 
 def test_many_async_waiters_do_not_starve_other_tasks():
     holder = HeldElsewhere("crowded")
-    waiters_count = executor.WAIT_THREADS + 2
+    waiters_count = sessions.WAIT_THREADS + 2
 
     async def main() -> bool:
         waiters = [

@@ -15,8 +15,7 @@ from django.test.utils import CaptureQueriesContext
 import django_dlock as dlock
 from django_dlock import signals
 from django_dlock.keys import make_key
-from django_dlock.strategies.advisory import mysql_session
-from django_dlock.strategies.advisory import pool as sessions
+from django_dlock.strategies.advisory import mysql, sessions
 from django_dlock.strategies.advisory.mysql import MAX_NAME_LENGTH, lock_name
 from django_dlock.strategies.connection import close_private_connections
 
@@ -166,7 +165,7 @@ def test_acquire_release_and_state():
     assert not lk.locked()
     assert lk.acquire(timeout=0)
     session = sessions.find(DB, lk.token)
-    assert isinstance(session, mysql_session.MySQLSession)
+    assert isinstance(session, mysql.MySQLSession)
     assert holder_id("state") == session.backend_pid
     assert lk.held() and lk.owned() and lk.locked() and lk.fence is None
     assert try_once("state") is False
@@ -406,7 +405,7 @@ def test_release_behind_our_back_is_never_ignored():
     lk = mlock("unlocked")
     lk.acquire()
     session = sessions.find(DB, lk.token)
-    assert isinstance(session, mysql_session.MySQLSession)
+    assert isinstance(session, mysql.MySQLSession)
     with session.mutex, session.link.raw.cursor() as cur:
         cur.execute("SELECT RELEASE_ALL_LOCKS()")
     assert not lk.owned()
@@ -481,14 +480,14 @@ def test_sigkill_of_the_holder_process_frees_the_lock_at_once(tmp_path):
     ids=["shared", "shared-async", "advisory_xact"],
 )
 def test_refused_before_any_sql(make):
-    opened = len(sessions.pool(DB, mysql_session.MySQLPool).idle)
+    opened = len(sessions.pool(DB, mysql.MySQLPool).idle)
     with (
         CaptureQueriesContext(connections[DB]) as queries,
         pytest.raises(dlock.StrategyNotSupported, match="PostgreSQL"),
     ):
         make()
     assert len(queries) == 0
-    assert len(sessions.pool(DB, mysql_session.MySQLPool).idle) == opened
+    assert len(sessions.pool(DB, mysql.MySQLPool).idle) == opened
     assert not sessions.holding_sessions()
 
 
@@ -691,7 +690,7 @@ def test_a_pooled_connection_killed_while_idle_is_replaced():
     with lk:
         session = sessions.find(DB, lk.token)
         assert session is not None
-    pool = sessions.pool(DB, mysql_session.MySQLPool)
+    pool = sessions.pool(DB, mysql.MySQLPool)
     assert session in pool.idle  # given back to the pool, holding nothing
     kill(session.backend_pid)
     wait_until(lambda: session.backend_pid not in [r[0] for r in _server("SHOW PROCESSLIST")])

@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext, override_settings
 
 import django_dlock as dlock
 from django_dlock.keys import hash32, make_key, pg_locks_ids
-from django_dlock.strategies.advisory import pool as sessions
+from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.connection import close_private_connections
 
 from . import procs

@@ -85,7 +85,7 @@ def test_an_async_advisory_acquire_ends_near_its_timeout_when_the_server_stops_a
 
 def test_a_new_advisory_session_to_a_frozen_server_ends_near_the_timeout(cluster):
     # No idle session to reuse: the new connection itself gets no answer.
-    from django_dlock.strategies.advisory.pool import close_all
+    from django_dlock.strategies.advisory.sessions import close_all
 
     close_all()
     cluster.freeze()

@@ -18,7 +18,7 @@ import django_dlock as dlock
 from django_dlock import locks, signals
 from django_dlock.exceptions import InvalidLockKey
 from django_dlock.keys import make_key
-from django_dlock.strategies.advisory import pool as sessions
+from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.connection import close_private_connections
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])

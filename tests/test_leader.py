@@ -432,7 +432,7 @@ ADVISORY = {"strategy": "advisory", "lease": 10.0, "renew_deadline": 5.0, "retry
 @pytest.fixture
 def advisory_sessions():
     yield
-    from django_dlock.strategies.advisory import pool as sessions
+    from django_dlock.strategies.advisory import sessions
 
     sessions.close_all()
 
@@ -459,7 +459,7 @@ def test_advisory_one_leader_record_and_graceful_handover(pg):
 
 @pytest.mark.usefixtures("advisory_sessions")
 def test_advisory_leader_whose_session_ends_stops_and_a_standby_leads_at_once(pg):
-    from django_dlock.strategies.advisory import pool as sessions
+    from django_dlock.strategies.advisory import sessions
 
     a = election(pg, identity="A", **ADVISORY)
     b = election(pg, identity="B", **ADVISORY)

@@ -27,7 +27,7 @@ from django.db import connections
 import django_dlock as dlock
 from django_dlock import signals
 from django_dlock.operations import force_release
-from django_dlock.strategies.advisory import pool as sessions
+from django_dlock.strategies.advisory import sessions
 
 from .helpers import wait_until
 

@@ -28,8 +28,8 @@ from django_dlock import notify
 from django_dlock.checks import database_messages
 from django_dlock.keys import make_key, pg_locks_ids
 from django_dlock.strategies import queue
-from django_dlock.strategies.advisory import pool as sessions
-from django_dlock.strategies.advisory.session import SessionSwitched
+from django_dlock.strategies.advisory import sessions
+from django_dlock.strategies.advisory.sessions import SessionSwitched
 from django_dlock.strategies.connection import close_private_connections
 
 from . import pgbouncer, procs

@@ -20,7 +20,7 @@ import django_dlock as dlock
 from django_dlock.checks import check_quorum_tables
 from django_dlock.signals import lock_lost
 from django_dlock.strategies import quorum
-from django_dlock.strategies.quorum import workers
+from django_dlock.strategies.quorum import rounds as workers
 
 from .helpers import row
 from .test_quorum import QUORUM, bring_up, eventually, take_down

@@ -14,12 +14,18 @@ between them one step at a time:
   finish, the lease is renewed meanwhile, then released
   (:meth:`Campaign._step_down`).
 
-Database calls run on an :class:`~django_dlock.leader.workers.IOThread`
+Database calls run on an :class:`~django_dlock.leader.campaign.IOThread`
 and are waited for only as long as the current deadline allows; callbacks
-and signals run in order on a :class:`~django_dlock.leader.workers.Dispatcher`.
+and signals run in order on a :class:`~django_dlock.leader.campaign.Dispatcher`.
 The drivers (``run``, ``arun``) meet this thread through a condition:
 :meth:`Campaign._next_term`, :meth:`Campaign._set_busy` and
 :meth:`Campaign._request_stop`.
+
+The election's two helper threads: database I/O, and callback dispatch.
+
+Both run what is posted to them one at a time, in order
+(:class:`~django_dlock._threads.SerialThread`), so that the election's own
+thread never blocks on the database or on user code.
 """
 
 from __future__ import annotations
@@ -37,25 +43,83 @@ from typing import Any, ClassVar, TypeVar
 from django.db import connections
 
 from django_dlock import notify, signals
-from django_dlock._threads import close_thread_connections
+from django_dlock._threads import SerialThread, close_thread_connections
 from django_dlock.conf import lock_alias
 from django_dlock.exceptions import NotMigrated
 from django_dlock.identity import worker
 from django_dlock.keys import Key
 from django_dlock.leader.backends import ADVISORY_TOKEN, _Backend
 from django_dlock.leader.leadership import STEPPING_DOWN, Leadership, _now
-from django_dlock.leader.workers import Dispatcher, IOThread
 from django_dlock.strategies.base import Request
 from django_dlock.strategies.connection import psycopg3
+
+__all__ = ["Campaign", "Dispatcher", "EXPIRY_MARGIN", "IOThread"]
+
 
 logger = logging.getLogger("django_dlock")
 
 T = TypeVar("T")
 
+
+class IOThread(SerialThread):
+    """A thread that runs the election's database calls, one at a time.
+
+    The election waits for each call only as long as it may; a call that
+    hangs (a dead network, a row lock) is abandoned with its thread, which
+    ends (and closes its connection) whenever the call returns.
+    """
+
+    def __init__(self, alias: str, label: str, backend: _Backend) -> None:
+        self.alias = alias
+        self.backend = backend
+        super().__init__(f"{label}-io", alias=alias, on_exit=self._close_backend)
+
+    def submit(self, func: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(func(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self.post(call)
+        return future
+
+    def _close_backend(self) -> None:
+        with contextlib.suppress(Exception):
+            self.backend.close()
+
+
+class Dispatcher(SerialThread):
+    """Runs callbacks and signal sends in order, off the election's thread."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(f"{label}-callbacks")
+
+    def post(self, call: Callable[[], Any]) -> None:
+        def logged() -> None:
+            try:
+                call()
+            except Exception:
+                logger.exception("django-dlock: a leader-election callback raised")
+
+        super().post(logged)
+
+    def stop(self, wait: bool) -> None:
+        """End after the callbacks already posted; ``wait`` for them unless called from them."""
+        self.close()
+        if wait:
+            self.join()
+
+
+logger = logging.getLogger("django_dlock")
+
+
 #: a standby looks again this long after the lease it saw should have ended
 EXPIRY_MARGIN = 0.01
-
-__all__ = ["EXPIRY_MARGIN", "Campaign"]
 
 
 class NoAnswer(TimeoutError):

@@ -9,11 +9,11 @@ One strategy name, an implementation per database vendor (the registry,
   (``GET_LOCK``).
 
 Both hold a holder's locks on a session of its own:
-:mod:`~django_dlock.strategies.advisory.session` (one session, and the
-connection model), :mod:`~django_dlock.strategies.advisory.pool` (idle
+:mod:`~django_dlock.strategies.advisory.sessions` (one session, and the
+connection model), :mod:`~django_dlock.strategies.advisory.sessions` (idle
 sessions, holders that end without releasing, ``fork``),
-:mod:`~django_dlock.strategies.advisory.watcher` (sessions the server ended),
-:mod:`~django_dlock.strategies.advisory.executor` and
+:mod:`~django_dlock.strategies.advisory.sessions` (sessions the server ended),
+:mod:`~django_dlock.strategies.advisory.sessions` and
 :mod:`~django_dlock.strategies.advisory.acquire` (the async path), and
 :mod:`~django_dlock.strategies.advisory.pending` (two-phase acquire).
 """

@@ -27,12 +27,17 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable, DLockError, SessionBusy
 from django_dlock.identity import Holder, current_holder
 from django_dlock.retry import Deadline
-from django_dlock.strategies.advisory.executor import executor as advisory_executor
-from django_dlock.strategies.advisory.executor import in_thread
-from django_dlock.strategies.advisory.pool import Pool, session_for
-from django_dlock.strategies.advisory.pool import find as find_session
-from django_dlock.strategies.advisory.session import Session, SessionLost, SessionSwitched
-from django_dlock.strategies.advisory.watcher import ensure_watcher
+from django_dlock.strategies.advisory.sessions import (
+    Pool,
+    Session,
+    SessionLost,
+    SessionSwitched,
+    ensure_watcher,
+    in_thread,
+    session_for,
+)
+from django_dlock.strategies.advisory.sessions import executor as advisory_executor
+from django_dlock.strategies.advisory.sessions import find as find_session
 from django_dlock.strategies.base import Grant, Request
 
 

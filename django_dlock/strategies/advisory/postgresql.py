@@ -2,7 +2,7 @@
 
 ``pg_try_advisory_lock`` / ``pg_advisory_lock`` (``_shared`` variants with
 ``shared=True``: many readers, one writer) on a dedicated session of the
-holder (see :mod:`django_dlock.strategies.advisory.session` for the connection model). The lock
+holder (see :mod:`django_dlock.strategies.advisory.sessions` for the connection model). The lock
 is held until it is released or the session ends, so a crashed holder frees
 it at once.
 
@@ -57,7 +57,7 @@ from django_dlock.strategies._pg import (
     lock_timeout_ms,
 )
 from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
-from django_dlock.strategies.advisory.session import (
+from django_dlock.strategies.advisory.sessions import (
     Session,
     Statement,
     WaitCancelled,

@@ -35,9 +35,8 @@ from django_dlock.strategies.connection import (
     with_reconnect,
 )
 from django_dlock.strategies.lease.acquire import acquire_on, try_acquire
-from django_dlock.strategies.lease.handoff import attempt
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
-from django_dlock.strategies.lease.waiting import TicketWait
+from django_dlock.strategies.lease.waiting import TicketWait, attempt
 
 #: why a key could not be taken (the words of the log messages; HELD in base)
 QUEUED_AHEAD = "is free, but other waiters are queued ahead"

@@ -35,7 +35,7 @@ give back that round's leases, never a later round's.
 
 The modules of this package: :mod:`~django_dlock.strategies.quorum.aliases`
 (which databases make a quorum, and its system checks),
-:mod:`~django_dlock.strategies.quorum.workers` (a thread pool per database,
+:mod:`~django_dlock.strategies.quorum.rounds` (a thread pool per database,
 each worker with its own bounded connection),
 :mod:`~django_dlock.strategies.quorum.rounds` (one operation on every
 database at once), :mod:`~django_dlock.strategies.quorum.statements` (the
@@ -53,6 +53,11 @@ from django_dlock.strategies.quorum.aliases import (
     quorum_problems,
     same_database,
 )
+from django_dlock.strategies.quorum.rounds import (
+    MIN_CONNECT_TIMEOUT,
+    WORKERS_PER_ALIAS,
+    close_all,
+)
 from django_dlock.strategies.quorum.statements import LiveRow
 from django_dlock.strategies.quorum.strategy import (
     DRIFT_FACTOR,
@@ -61,11 +66,6 @@ from django_dlock.strategies.quorum.strategy import (
     QuorumLease,
     drift,
     quorum_strategy,
-)
-from django_dlock.strategies.quorum.workers import (
-    MIN_CONNECT_TIMEOUT,
-    WORKERS_PER_ALIAS,
-    close_all,
 )
 
 __all__ = [

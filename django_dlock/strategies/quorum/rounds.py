@@ -8,22 +8,273 @@ answers), refused, failed (with the error) or stayed silent.
 
 :func:`give_back` undoes what a round took: the leases already taken at
 once, those still on their way when their answer arrives.
+
+The quorum's worker threads: a pool per database, each worker with its own connection.
+
+A quorum round sends one statement to every database at once, so each
+database alias has a small thread pool (:data:`WORKERS_PER_ALIAS` threads),
+and each worker thread a private connection to its database, outside
+Django's connection pool. A database that does not answer keeps its
+workers busy: at most :data:`MAX_WAITING` more statements wait for them
+(the others are refused at once, so the database does not vote in those
+rounds), and a statement whose round is over before a worker is free is
+dropped, not sent late. A new connection gets a connect timeout from the
+time the round may still take, and on PostgreSQL every statement a
+``statement_timeout`` and ``lock_timeout`` of the lease's length, so a hung
+server frees its worker. A connection that broke is closed and opened again
+on its next use.
+
+Async callers run whole rounds on the :func:`coordinator` threads (a round
+blocks on its workers). :func:`close_all` stops every thread and closes
+every connection; a forked child starts with none.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import math
+import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_dlock.strategies.quorum.workers import submit
+from django_dlock.exceptions import DatabaseUnavailable
+from django_dlock.strategies.connection import execute
+from django_dlock.strategies.quorum.aliases import server_identity
 
-__all__ = ["Round", "give_back", "give_back_when_done", "run_round"]
+__all__ = [
+    "MAX_WAITING",
+    "MIN_CONNECT_TIMEOUT",
+    "MIN_WAIT",
+    "Round",
+    "WORKERS_PER_ALIAS",
+    "close_all",
+    "coordinator",
+    "give_back",
+    "give_back_when_done",
+    "run_round",
+    "servers",
+    "submit",
+]
+
+
+logger = logging.getLogger("django_dlock")
+
+#: the shortest connect timeout (libpq counts whole seconds and treats 1 as 2)
+MIN_CONNECT_TIMEOUT = 2
+#: worker threads per database (each has its own connection to it)
+WORKERS_PER_ALIAS = 4
+#: statements that may wait for a database's busy workers; more are refused
+MAX_WAITING = WORKERS_PER_ALIAS
+#: the least time a statement may wait for a worker before it is dropped
+MIN_WAIT = 0.5
+
+_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_coordinators: list[concurrent.futures.ThreadPoolExecutor] = []
+_pools_mutex = threading.Lock()
+_local = threading.local()
+#: every worker connection, for :func:`close_all`
+_opened: list[BaseDatabaseWrapper] = []
+#: per database, the statements submitted that no worker has started yet
+_waiting: dict[str, int] = {}
+#: per database alias, what its server said it is when a worker connected
+servers: dict[str, tuple[str, ...]] = {}
+
+
+def submit(
+    alias: str, ttl: float, budget: float, op: Callable[[BaseDatabaseWrapper], Any]
+) -> concurrent.futures.Future[Any]:
+    """Run ``op`` on a worker's connection to ``alias``; its future.
+
+    ``ttl`` bounds each statement (PostgreSQL), ``budget`` a new connection's
+    connect timeout (the seconds the round may still take). The future
+    fails with :class:`~django_dlock.DatabaseUnavailable` at once when
+    :data:`MAX_WAITING` statements already wait for ``alias``'s workers, and
+    when no worker was free before ``budget`` (at least :data:`MIN_WAIT`)
+    ran out: ``op`` is then not sent.
+    """
+    with _pools_mutex:
+        waiting = _waiting.get(alias, 0)
+        if waiting < MAX_WAITING:
+            _waiting[alias] = waiting + 1
+    if waiting >= MAX_WAITING:
+        refused: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        refused.set_exception(
+            DatabaseUnavailable(
+                f"{alias}: not sent, {waiting} earlier statements still wait for an answer"
+            )
+        )
+        return refused
+    stale_at = time.monotonic() + max(budget, MIN_WAIT)
+    return _pool(alias).submit(_started, alias, stale_at, ttl, budget, op)
+
+
+def _started(
+    alias: str,
+    stale_at: float,
+    ttl: float,
+    budget: float,
+    op: Callable[[BaseDatabaseWrapper], Any],
+) -> Any:
+    """A worker took a statement: no longer waiting; dropped if its round is over."""
+    with _pools_mutex:
+        _waiting[alias] -= 1
+    if time.monotonic() > stale_at:
+        raise DatabaseUnavailable(f"{alias}: not sent, its round was over before a worker was free")
+    return _on(alias, ttl, budget, op)
+
+
+def coordinator() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that run async callers' rounds (the rounds block on their workers)."""
+    if not _coordinators:
+        with _pools_mutex:
+            if not _coordinators:
+                _coordinators.append(
+                    concurrent.futures.ThreadPoolExecutor(
+                        8, thread_name_prefix="django-dlock-quorum-round"
+                    )
+                )
+    return _coordinators[0]
+
+
+def close_all() -> None:
+    """Stop the worker threads and close their connections (tests, shutdown).
+
+    Workers and connections are made again on the next use.
+    """
+    with _pools_mutex:
+        pools = list(_pools.values()) + list(_coordinators)
+        _pools.clear()
+        _coordinators.clear()
+    for pool in pools:
+        pool.shutdown(wait=True)
+    with _pools_mutex:
+        _waiting.clear()
+        servers.clear()
+    with _pools_mutex:
+        opened = list(_opened)
+        _opened.clear()
+    for connection in opened:
+        raw = connection.connection
+        if raw is not None:
+            try:
+                raw.close()
+            except Exception:
+                logger.debug("django-dlock: closing a quorum connection failed", exc_info=True)
+            connection.connection = None
+
+
+def _forget_pools_after_fork() -> None:
+    global _pools_mutex
+    _pools.clear()
+    _coordinators.clear()
+    _opened.clear()
+    _waiting.clear()
+    servers.clear()
+    _pools_mutex = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_after_fork)
+
+
+def _pool(alias: str) -> concurrent.futures.ThreadPoolExecutor:
+    found = _pools.get(alias)
+    if found is None:
+        with _pools_mutex:
+            found = _pools.get(alias)
+            if found is None:
+                found = _pools[alias] = concurrent.futures.ThreadPoolExecutor(
+                    WORKERS_PER_ALIAS, thread_name_prefix=f"django-dlock-quorum-{alias}"
+                )
+    return found
+
+
+def _on(alias: str, ttl: float, budget: float, op: Callable[[BaseDatabaseWrapper], Any]) -> Any:
+    """Run ``op`` on this worker's connection to ``alias`` (closed if it broke).
+
+    A connection kept from an earlier round may have been ended by the
+    server meanwhile (the database restarted or failed over, or
+    ``pg_terminate_backend``): when ``op`` fails because that connection
+    is dead, it runs once more on a new one, instead of losing the vote,
+    or, for a release, leaving the lease to run out. (The lease statements
+    are safe to send twice: the same token takes, moves or frees the same
+    lease.)
+    """
+    connection = _connection(alias, budget)
+    kept = connection.connection is not None
+    try:
+        return _run(connection, ttl, op)
+    except Exception:
+        if not kept or connection.connection is not None:
+            raise  # a new connection, or one still usable: the database's own answer
+    return _run(_connection(alias, budget), ttl, op)
+
+
+def _run(
+    connection: BaseDatabaseWrapper, ttl: float, op: Callable[[BaseDatabaseWrapper], Any]
+) -> Any:
+    """``op`` on ``connection``; a connection the failure left unusable is closed."""
+    try:
+        if connection.connection is None:
+            connection.ensure_connection()
+            servers[connection.alias] = server_identity(connection)
+        _bound_statements(connection, ttl)
+        return op(connection)
+    except Exception:
+        try:
+            usable = connection.connection is not None and bool(connection.is_usable())
+        except Exception:
+            usable = False
+        if not usable:
+            with contextlib.suppress(Exception):
+                connection.close()
+            connection.connection = None
+        raise
+
+
+def _connection(alias: str, budget: float) -> BaseDatabaseWrapper:
+    """This worker thread's own connection to ``alias``, outside Django's pool.
+
+    A connection that is not open yet gets a connect timeout from ``budget``
+    (the seconds the round may still take).
+    """
+    cache: dict[str, BaseDatabaseWrapper] | None = getattr(_local, "connections", None)
+    if cache is None:
+        cache = _local.connections = {}
+    connection = cache.get(alias)
+    if connection is None:
+        connection = cache[alias] = connections[alias].copy(alias)
+        connection.settings_dict.setdefault("OPTIONS", {}).pop("pool", None)
+        with _pools_mutex:
+            _opened.append(connection)
+    if connection.connection is None and connection.vendor in ("postgresql", "mysql"):
+        seconds = max(MIN_CONNECT_TIMEOUT, math.ceil(budget))
+        connection.settings_dict["OPTIONS"]["connect_timeout"] = seconds
+        connection.dlock_statement_ms = None  # type: ignore[attr-defined]
+    return connection
+
+
+def _bound_statements(connection: BaseDatabaseWrapper, ttl: float) -> None:
+    """No statement of this connection runs (or waits for a row lock) longer than ``ttl``."""
+    if connection.vendor != "postgresql":
+        return
+    millis = max(1, math.ceil(ttl * 1000))
+    if getattr(connection, "dlock_statement_ms", None) == millis:
+        return
+    execute(
+        connection,
+        "SELECT set_config('statement_timeout', %s, false), set_config('lock_timeout', %s, false)",
+        [f"{millis}ms", f"{millis}ms"],
+    )
+    connection.dlock_statement_ms = millis  # type: ignore[attr-defined]
+
 
 logger = logging.getLogger("django_dlock")
 

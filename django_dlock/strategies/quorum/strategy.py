@@ -36,7 +36,14 @@ from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import execute
 from django_dlock.strategies.lease import lease
 from django_dlock.strategies.quorum.aliases import majority, same_server
-from django_dlock.strategies.quorum.rounds import Round, give_back, give_back_when_done, run_round
+from django_dlock.strategies.quorum.rounds import (
+    Round,
+    coordinator,
+    give_back,
+    give_back_when_done,
+    run_round,
+    servers,
+)
 from django_dlock.strategies.quorum.statements import (
     LiveRow,
     fence_raise_sql,
@@ -44,7 +51,6 @@ from django_dlock.strategies.quorum.statements import (
     owned_sql,
     release_after_on,
 )
-from django_dlock.strategies.quorum.workers import coordinator, servers
 
 __all__ = [
     "DRIFT_FACTOR",
