@@ -239,6 +239,7 @@ def test_close_private_connections_closes_the_side_connection():
 def test_close_connections_closes_every_connection_django_dlock_opened():
     mine = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> %s"
     me = query("SELECT pg_backend_pid()")[0][0]
+    dlock.close_connections()  # what earlier tests opened
     before = {pid for (pid,) in query(mine, [me])}
     with dlock.lock("close:advisory", strategy="advisory", using="default"):
         pass  # its session goes back to the pool, idle
