@@ -14,6 +14,7 @@ from django_dlock import _logging  # noqa: F401  (escapes control characters in 
 from django_dlock.exceptions import (
     DatabaseUnavailable,
     DLockError,
+    GuardNotSupported,
     InvalidLockKey,
     KeyTemplateError,
     LockLost,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DLockError",
     "DatabaseUnavailable",
+    "GuardNotSupported",
     "InvalidLockKey",
     "KeyTemplateError",
     "LeaderElection",

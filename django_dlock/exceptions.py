@@ -13,6 +13,7 @@ from django.core.exceptions import SynchronousOnlyOperation
 __all__ = [
     "DLockError",
     "DatabaseUnavailable",
+    "GuardNotSupported",
     "InvalidLockKey",
     "KeyTemplateError",
     "LockLost",
@@ -130,6 +131,15 @@ class SyncInAsyncContext(DLockError, SynchronousOnlyOperation):
 
 class StrategyNotSupported(DLockError):
     """The strategy is unknown, or the database cannot do it."""
+
+
+class GuardNotSupported(StrategyNotSupported):
+    """``Lock.guard()`` cannot make writes commit only while this lock is held.
+
+    Raised for locks not kept by a database transaction (``advisory``
+    session locks, quorum locks), and for writes to another database than
+    the lock's: pass the lock's fence to those writes instead.
+    """
 
 
 class InvalidLockKey(DLockError, ValueError):

@@ -65,6 +65,7 @@ from django_dlock.exceptions import (
     StrategyNotSupported,
     SyncInAsyncContext,
 )
+from django_dlock.guard import guarded
 from django_dlock.holdings import Holding
 from django_dlock.identity import Holder, current_holder
 from django_dlock.keys import Key, LockKey, make_key
@@ -645,6 +646,59 @@ class Lock(Generic[_OnFailT]):
         seconds = self.ttl if ttl is None else ttl
         validated(ttl_error(seconds))
         return float(seconds)
+
+    # -- guarded writes -----------------------------------------------------------
+
+    def guard(self, using: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """A transaction whose writes commit only while the caller holds the lock.
+
+        ::
+
+            with dlock.lock("invoice:42", ttl=30) as lk:
+                total = compute()              # may take long; may be paused
+                with lk.guard():               # commits only while we hold it
+                    Invoice.objects.filter(pk=42).update(total=total)
+
+        The block runs in ``transaction.atomic`` on the lock's database
+        (``using`` must be that database). On ``lease``, before it commits,
+        the lease is checked in the same transaction (still the caller's,
+        unexpired on the database clock) and kept: nobody can take it over
+        until the transaction ends. A lease found lost rolls the block back
+        and raises :class:`LockLost`. On ``row`` and ``advisory_xact`` the
+        lock already lives in the caller's transaction: the block is a
+        savepoint in it and commits with it. A session that stays silent
+        inside the block for as long as the lease lasts is ended by the
+        server (PostgreSQL, MySQL/MariaDB), so a frozen holder cannot keep
+        the key; its writes roll back (:class:`LockLost`).
+
+        Raises:
+            LockNotOwned: the caller does not hold the lock.
+            LockLost: the lock was lost; nothing of the block was written.
+            GuardNotSupported: an ``advisory`` session lock or a quorum lock
+                (not kept by a transaction: use its fence), or ``using`` is
+                another database than the lock's.
+        """
+        _refuse_in_event_loop(self, "guard()", "`await lk.aguard(func)`")
+        return guarded(self._all_held(), using)
+
+    async def aguard(self, func: Callable[[], R], using: str | None = None) -> R:
+        """Async :meth:`guard`: run ``func()`` in a guarded transaction; its result.
+
+        Django runs transactions in synchronous code only, so the writes go
+        in a function, run in Django's thread for synchronous code::
+
+            async with dlock.lock("invoice:42") as lk:
+                total = await compute()
+                await lk.aguard(lambda: Invoice.objects.filter(pk=42).update(total=total))
+        """
+        held = self._all_held()  # the calling task's holdings
+
+        def run() -> R:
+            with guarded(held, using):
+                return func()
+
+        result: R = await sync_to_async(run)()
+        return result
 
     # -- inspection (asks the database) -----------------------------------------
 

@@ -17,7 +17,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
-__all__ = ["HELD", "ExplainsBusy", "Grant", "Request", "Strategy", "TakesTickets"]
+__all__ = ["HELD", "ExplainsBusy", "Grant", "Guards", "Request", "Strategy", "TakesTickets"]
 
 #: how a busy key is described when nothing more is known
 HELD = "is held by someone else"
@@ -52,6 +52,19 @@ class ExplainsBusy(Protocol):
     timed-out acquire): held by someone, or free but kept for queued waiters."""
 
     def busy_reason(self, alias: str, key: Key) -> str: ...
+
+
+@runtime_checkable
+class Guards(Protocol):
+    """A strategy whose holding can be checked, and kept, inside a transaction
+    on its database (``Lock.guard()``): ``lease``."""
+
+    def pin(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
+        """In ``connection``'s open transaction (on ``req.alias``): ``True`` if
+        ``req``'s holding is still the caller's on the database clock, and
+        nobody can take it over until that transaction ends; ``False`` if
+        it is lost."""
+        ...
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies.base import HELD, Grant, Request, Strategy, TakesTickets
+from django_dlock.strategies.base import HELD, Grant, Guards, Request, Strategy, TakesTickets
 from django_dlock.strategies.connection import (
     cursor,
     execute,
@@ -344,6 +344,23 @@ class LeaseStrategy:
         sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {{now}}"
         return read(req.alias, sql, [req.key.name, req.token]) is not None
 
+    def pin(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
+        """In the caller's transaction: the lease is still ours, and stays so
+        until the transaction ends (a take-over waits for the row)."""
+        now = dbclock.now_sql(connection)
+        mine = f"name = %s AND token = %s AND expire_at > {now}"
+        if connection.vendor == "sqlite":
+            # one writer at a time: this write keeps every take-over out
+            sql = f"UPDATE {TABLE} SET expire_at = expire_at WHERE {mine}"
+        else:
+            share = "FOR SHARE" if connection.vendor == "postgresql" else "LOCK IN SHARE MODE"
+            sql = f"SELECT 1 FROM {TABLE} WHERE {mine} {share}"
+        with connection.cursor() as cur:
+            cur.execute(sql, [req.key.name, req.token])
+            if connection.vendor == "sqlite":
+                return bool(cur.rowcount)
+            return cur.fetchone() is not None
+
     def loss_reason(self, req: Request) -> str:
         """Why ``req``'s lease is no longer the caller's, from what its row says now.
 
@@ -402,3 +419,4 @@ class LeaseStrategy:
 lease = LeaseStrategy()
 _implements_strategy: Strategy = lease  # (checked by mypy)
 _takes_tickets: TakesTickets = lease  # (checked by mypy)
+_guards: Guards = lease  # (checked by mypy)

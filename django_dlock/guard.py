@@ -1,0 +1,158 @@
+"""``Lock.guard()``: writes that commit only while the lock is held.
+
+A holder can be paused (a long GC, a frozen VM, SIGSTOP) past its lease and
+resume after another holder took the lock over. Whatever it then writes
+races the new holder's writes: the classic hole of lease locks (Martin
+Kleppmann, "How to do distributed locking",
+https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html).
+Our locks live in the same database as the data they protect, so the
+writes and the check can be one transaction:
+
+* a ``lease`` lock is checked at the end of the guarded block, in the
+  block's own transaction: the lease row must still carry the holder's
+  token and be unexpired on the database clock, and it is locked there
+  (``FOR SHARE`` on PostgreSQL, ``LOCK IN SHARE MODE`` on MySQL/MariaDB, a
+  write on SQLite) until the transaction ends, so nobody can take the lease
+  over before the writes commit. A lease found lost rolls the block back
+  and raises :class:`~django_dlock.LockLost`;
+* ``row`` and ``advisory_xact`` locks already live in the caller's
+  transaction: the guarded block is a savepoint in it, and everything
+  commits together, while the lock is held;
+* ``advisory`` session locks and quorum locks live elsewhere than the
+  transaction (their own session, several databases): they refuse a guard
+  (:class:`~django_dlock.GuardNotSupported`); fencing is their tool.
+
+A holder frozen inside its guarded transaction must not keep the key
+forever: on PostgreSQL the transaction gets an
+``idle_in_transaction_session_timeout`` of the lease's length, on
+MySQL/MariaDB the session a ``wait_timeout`` of it (rounded up to a
+second), so the server ends a session that stays silent that long inside
+the block, and its transaction rolls back. SQLite has no server to do it:
+a process frozen inside a guarded transaction keeps every writer of that
+database file waiting until it resumes or dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+from django.db import DatabaseError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_dlock import holdings
+from django_dlock.exceptions import GuardNotSupported, LockLost
+from django_dlock.holdings import Holding
+from django_dlock.strategies.base import Guards
+
+__all__ = ["guarded"]
+
+
+@contextlib.contextmanager
+def guarded(held: Sequence[Holding], using: str | None) -> Iterator[None]:
+    """A transaction on ``using`` (default: the lock's database) that commits
+    only while every holding in ``held`` (the holder's, one per key) is held."""
+    first = held[0]
+    strategy, alias = first.strategy, first.request.alias
+    using = alias if using is None else using
+    if using != alias:
+        raise GuardNotSupported(
+            f"{_names(held)} is held on the database {alias!r}: a guard checks it in the "
+            f"transaction of its writes, so they must go to {alias!r}, not {using!r}. For "
+            "data on another database, pass the lock's fence along and check it there "
+            "(see Safe writes and Fencing in the django-dlock docs)"
+        )
+    for holding in held:
+        if holding.lost or strategy.ended(holding.request):
+            raise holding.error() if holding.lost else _ended(holding)
+    if strategy.transaction_scoped:
+        # The lock is held by this very transaction: it ends with it.
+        with transaction.atomic(using=using):
+            yield
+        return
+    if not isinstance(strategy, Guards):
+        raise GuardNotSupported(
+            f"{_names(held)} uses the {strategy.name} strategy, whose lock is not kept "
+            "by a database transaction (an advisory session lock lives on a session of "
+            "its own, a quorum lock on several databases): nothing can make a write "
+            "commit only while it is held. Pass the lock's fence to the writes and "
+            "reject stale ones (see Fencing in the django-dlock docs), or use the "
+            "lease strategy"
+        )
+    connection = connections[using]
+    try:
+        with transaction.atomic(using=using), _bounded(connection, first.request.ttl):
+            yield
+            for holding in held:
+                if not strategy.pin(connection, holding.request):
+                    reason = "it was no longer held when the guarded writes were to commit"
+                    holding.mark_lost(holding.loss_reason(reason))
+                    raise LockLost(
+                        f"the guarded writes under {_names(held)} were rolled back: "
+                        f"{holding.name!r} was lost ({holding.lost_reason})"
+                    )
+    except DatabaseError as exc:
+        if not _session_ended(connection, exc):
+            raise
+        # The server ended the session: it stayed silent inside the guarded
+        # transaction for as long as the lease lasts (see _bounded), and the
+        # transaction rolled back. Whether the lease is still ours (renewed
+        # meanwhile) only the database knows.
+        connection.close()
+        for holding in held:
+            holdings.confirm(holding)
+        raise LockLost(
+            f"the guarded writes under {_names(held)} were rolled back: the server ended "
+            "the session of their transaction, which stayed silent for longer than the "
+            f"lease ({first.request.ttl:g} s)"
+        ) from exc
+
+
+def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
+    """Whether ``exc`` says the server ended the session (its idle timeout)."""
+    if connection.vendor == "postgresql":
+        from django_dlock.strategies._pg import sqlstate
+
+        # idle in transaction too long, or the session terminated
+        return sqlstate(exc) in ("25P03", "57P01")
+    if connection.vendor == "mysql":
+        code = getattr(exc.__cause__, "args", (None,))[0]
+        # gone away, lost the connection, disconnected for inactivity (MySQL 8)
+        return code in (2006, 2013, 4031)
+    return False
+
+
+@contextlib.contextmanager
+def _bounded(connection: BaseDatabaseWrapper, seconds: float) -> Iterator[None]:
+    """End the session if it stays idle ``seconds`` inside the transaction."""
+    vendor = connection.vendor
+    if vendor == "postgresql":
+        with connection.cursor() as cur:
+            ms = max(1, math.ceil(seconds * 1000))
+            cur.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+        yield
+        return
+    if vendor != "mysql":
+        yield
+        return
+    with connection.cursor() as cur:
+        cur.execute(
+            "SET @dlock_wait_timeout = @@SESSION.wait_timeout, "
+            f"SESSION wait_timeout = {max(1, math.ceil(seconds))}"
+        )
+    try:
+        yield
+    finally:
+        if connection.is_usable():
+            with connection.cursor() as cur:
+                cur.execute("SET SESSION wait_timeout = @dlock_wait_timeout")
+
+
+def _ended(holding: Holding) -> LockLost:
+    holding.mark_lost("its transaction ended")
+    return holding.error()
+
+
+def _names(held: Sequence[Holding]) -> str:
+    return repr(", ".join(holding.name for holding in held))

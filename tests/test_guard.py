@@ -1,0 +1,298 @@
+"""``Lock.guard()``: writes that commit only while the lock is held.
+
+The writes go to a small table of the test (``dlock_guard_probe``), as a
+user's writes go to their own tables, on each database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections, transaction
+
+import django_dlock as dlock
+from django_dlock import dbclock
+from django_dlock.exceptions import DLockError
+
+from . import procs
+from .helpers import in_thread, wait_until
+from .test_quorum import QUORUM
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
+
+PROBE = "dlock_guard_probe"
+
+
+def _probe(alias: str) -> None:
+    """An empty probe table on ``alias`` with one row (id 1, v '-')."""
+    with connections[alias].cursor() as cur:
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {PROBE} (id INTEGER PRIMARY KEY, v VARCHAR(20))")
+        cur.execute(f"DELETE FROM {PROBE}")
+        cur.execute(f"INSERT INTO {PROBE} (id, v) VALUES (1, '-')")
+
+
+def _write(alias: str, value: str) -> None:
+    with connections[alias].cursor() as cur:
+        cur.execute(f"UPDATE {PROBE} SET v = %s WHERE id = 1", [value])
+
+
+def _read(alias: str) -> str:
+    # a new connection: what is committed, whatever the test's connection holds
+    other = connections[alias].copy(alias)
+    try:
+        with other.cursor() as cur:
+            cur.execute(f"SELECT v FROM {PROBE} WHERE id = 1")
+            return str(cur.fetchone()[0])
+    finally:
+        other.close()
+
+
+@pytest.fixture(params=["default", "sqlite", "mysql"], ids=["postgresql", "sqlite", "mariadb"])
+def alias(request: pytest.FixtureRequest) -> Iterator[str]:
+    _probe(request.param)
+    yield request.param
+    dlock.close_connections()
+
+
+def _elsewhere(alias: str, sql: str, name: str) -> None:
+    """Run ``sql`` on the lease row ``name`` from another connection (committed)."""
+    other = connections[alias].copy(alias)
+    try:
+        with other.cursor() as cur:
+            cur.execute(sql.format(now=dbclock.now_sql(other)), [name])
+            assert cur.rowcount == 1
+    finally:
+        other.close()
+
+
+#: how a lease is lost, as another process would leave its row
+LOSSES = {
+    "expired": "UPDATE django_dlock_lock SET expire_at = {now} WHERE name = %s",
+    "taken over": "UPDATE django_dlock_lock SET token = 'someone else' WHERE name = %s",
+    "force-released": "UPDATE django_dlock_lock SET token = '' WHERE name = %s",
+}
+
+
+# -- the lease strategy, one process ---------------------------------------------------
+
+
+def test_guarded_writes_commit_while_the_lock_is_held(alias):
+    with dlock.lock("guard:held", using=alias) as lk:
+        with lk.guard():
+            _write(alias, "A")
+        assert _read(alias) == "A"  # committed at the end of the guarded block
+        assert lk.owned()
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_lost_lease_rolls_the_guarded_writes_back(alias, loss):
+    lk = dlock.lock("guard:lost", using=alias, ttl=30)
+    assert lk.acquire(timeout=0)
+    with pytest.raises(dlock.LockLost, match="guarded writes .* were rolled back"), lk.guard():
+        _elsewhere(alias, LOSSES[loss], "lock:guard:lost")
+        _write(alias, "A")
+    assert _read(alias) == "-"  # nothing of the block was written
+    assert lk.lost
+    with pytest.raises(dlock.LockLost):
+        lk.release()
+
+
+def test_a_guard_needs_the_lock(alias):
+    lk = dlock.lock("guard:not-held", using=alias)
+    with pytest.raises(dlock.LockNotOwned), lk.guard():
+        _write(alias, "A")
+    assert _read(alias) == "-"
+
+
+def test_an_error_in_the_guarded_block_rolls_it_back_and_is_raised(alias):
+    with dlock.lock("guard:error", using=alias) as lk:
+        with pytest.raises(ZeroDivisionError), lk.guard():
+            _write(alias, "A")
+            _ = 1 / 0
+        assert _read(alias) == "-"
+        assert lk.owned()  # the lock is still held, and still usable
+        with lk.guard():
+            _write(alias, "B")
+    assert _read(alias) == "B"
+
+
+def test_a_guard_of_the_writes_of_another_database_is_refused(alias):
+    other = "sqlite" if alias != "sqlite" else "default"
+    lk = dlock.lock("guard:other-db", using=alias)
+    with lk, pytest.raises(dlock.GuardNotSupported, match="fence"), lk.guard(using=other):
+        pass
+
+
+def test_a_guard_of_a_lock_on_several_keys_checks_every_key(alias):
+    lk = dlock.lock(["guard:k1", "guard:k2"], using=alias)
+    assert lk.acquire(timeout=0)
+    with pytest.raises(dlock.LockLost, match="k2"), lk.guard():
+        _elsewhere(alias, LOSSES["taken over"], "lock:guard:k2")
+        _write(alias, "A")
+    assert _read(alias) == "-"
+    with pytest.raises(dlock.LockLost):
+        lk.release()
+
+
+def test_aguard_runs_the_writes_in_a_guarded_transaction(alias):
+    def steal_then_write() -> None:
+        _elsewhere(alias, LOSSES["taken over"], "lock:guard:async")
+        _write(alias, "B")
+
+    async def main() -> None:
+        lk = dlock.lock("guard:async", using=alias)
+        assert await lk.aacquire(timeout=0)
+        await lk.aguard(lambda: _write(alias, "A"))
+        assert await sync_to_async(_read)(alias) == "A"
+        with pytest.raises(dlock.LockLost):
+            await lk.aguard(steal_then_write)
+        with pytest.raises(dlock.LockLost):
+            await lk.arelease()
+
+    asyncio.run(main())
+    assert _read(alias) == "A"
+
+
+# -- transaction-scoped strategies: the lock lives in the caller's transaction ----------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "db"), [("row", "default"), ("row", "mysql"), ("advisory_xact", "default")]
+)
+def test_a_transaction_scoped_lock_guards_with_its_own_transaction(strategy, db):
+    _probe(db)
+    lk = dlock.lock("guard:xact", strategy=strategy, using=db)
+    with pytest.raises(RuntimeError), transaction.atomic(using=db), lk:
+        with lk.guard():
+            _write(db, "A")
+        assert _read(db) == "-"  # a savepoint: it commits with the lock's transaction
+        raise RuntimeError("the lock's transaction rolls back")
+    assert _read(db) == "-"
+    with transaction.atomic(using=db), lk:
+        with lk.guard():
+            _write(db, "B")
+        with pytest.raises(dlock.GuardNotSupported):
+            lk.guard(using="sqlite").__enter__()
+    assert _read(db) == "B"
+
+
+# -- strategies whose lock no transaction keeps ------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", *QUORUM])
+@pytest.mark.parametrize("kind", ["advisory", "quorum"])
+def test_session_and_quorum_locks_refuse_a_guard_and_point_to_fencing(kind):
+    if kind == "advisory":
+        lk = dlock.lock("guard:refused", strategy="advisory", using="default")
+    else:
+        lk = dlock.lock("guard:refused", using=QUORUM)
+    with lk, pytest.raises(dlock.GuardNotSupported, match="fence"), lk.guard():
+        pass
+    dlock.close_connections()
+
+
+# -- a holder paused past its lease (real processes, SIGSTOP) ----------------------------
+
+
+def _paused_holder(alias: str, folder: str, ttl: float, outer: bool) -> None:
+    """Hold the lock, write under a guard, and wait there (paused) for ``go``.
+
+    ``outer``: the guard is inside an outer transaction, and the wait comes
+    after it (the lease row pinned until the outer transaction ends).
+    """
+    from django_dlock.exceptions import LockLost
+
+    base = Path(folder)
+    lk = dlock.lock("guard:paused", using=alias, ttl=ttl)
+    assert lk.acquire(timeout=10)
+
+    def wait_for_go() -> None:
+        (base / "ready").write_text("ready")
+        while not (base / "go").exists():
+            time.sleep(0.02)
+
+    try:
+        if outer:
+            with transaction.atomic(using=alias):
+                with lk.guard():
+                    _write(alias, "A")
+                wait_for_go()
+        else:
+            with lk.guard():
+                _write(alias, "A")
+                wait_for_go()
+        outcome = "committed"
+    except LockLost:
+        outcome = "LockLost"
+    except Exception as exc:  # the outer transaction's commit on an ended session
+        outcome = f"{type(exc).__name__}: {exc}"
+    (base / "outcome").write_text(outcome)
+    with contextlib.suppress(DLockError):
+        lk.release()
+
+
+@contextlib.contextmanager
+def _paused(alias: str, tmp_path: Path, ttl: float, outer: bool = False) -> Iterator[Path]:
+    """A holder process inside its guard (or after it, ``outer``), SIGSTOPped."""
+    proc = procs.start(_paused_holder, alias, str(tmp_path), ttl, outer)
+    wait_until(lambda: (tmp_path / "ready").exists(), timeout=60)
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield tmp_path
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        (tmp_path / "go").write_text("go")
+        proc.join(60)
+        assert proc.exitcode == 0
+
+
+def _next_holder_writes(alias: str) -> None:
+    lk = dlock.lock("guard:paused", using=alias, ttl=30, timeout=45)
+    with lk, lk.guard():
+        _write(alias, "B")
+
+
+@pytest.mark.slow
+def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, tmp_path):
+    ttl = 2.0
+    with _paused(alias, tmp_path, ttl) as folder:
+        if alias != "sqlite":
+            # While it is frozen: its lease runs out, the next holder takes the
+            # lock, and its guarded write goes through once the server has
+            # ended the frozen holder's silent session (the bound: the lease).
+            in_thread(_next_holder_writes, alias)  # bounded: fails if it waits for the thaw
+            assert _read(alias) == "B"
+        else:
+            # SQLite: the frozen holder keeps every writer out until it
+            # resumes; its lease runs out meanwhile.
+            time.sleep(ttl + 0.5)
+    assert (folder / "outcome").read_text() == "LockLost"  # it committed nothing
+    if alias == "sqlite":
+        with dlock.lock("guard:paused", using=alias, timeout=10) as lk, lk.guard():
+            _write(alias, "B")
+    assert _read(alias) == "B"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_a_holder_frozen_with_its_lease_pinned_keeps_the_key_only_as_long_as_its_lease(
+    tmp_path,
+):
+    # PostgreSQL: the guard pinned the lease row inside an outer transaction,
+    # then the holder froze in it. The next holder waits for the row until the
+    # server ends the frozen session (idle in transaction for a lease's length).
+    _probe("default")
+    with _paused("default", tmp_path, 2.0, outer=True) as folder:
+        in_thread(_next_holder_writes, "default")  # bounded: fails if it waits for the thaw
+        assert not (folder / "outcome").exists()  # taken while the first is still frozen
+    assert (folder / "outcome").read_text() != "committed"
+    assert _read("default") == "B"
