@@ -2,7 +2,7 @@
 
 Options: ``--quick`` (fewer, shorter rounds: a smoke run), ``--rounds``,
 ``--seconds`` (per round), ``--only SECTION`` (repeatable: uncontended,
-handoff, queue, scale, failover, scaling, memory, quorum), ``--no-write``
+handoff, queue, scale, failover, scaling, memory, quorum, guard), ``--no-write``
 (print only).
 """
 
@@ -13,7 +13,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = ("uncontended", "handoff", "queue", "scale", "failover", "scaling", "memory", "quorum")
+ALL = (
+    "uncontended",
+    "handoff",
+    "queue",
+    "scale",
+    "failover",
+    "scaling",
+    "memory",
+    "quorum",
+    "guard",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +127,16 @@ def main(argv: list[str] | None = None) -> int:
             "refusing connections (see [quorum locks](quorum.md)).",
             "",
             *quorum.table(quorum.run(args.rounds, args.seconds)),
+        ]
+
+    if "guard" in only:
+        from . import guarded_writes
+
+        print("guarded writes ...", file=sys.stderr)
+        sections["9. Guarded writes (lk.guard() against transaction.atomic)"] = [
+            *guarded_writes.INTRO,
+            "",
+            *guarded_writes.run_apart(args.rounds, args.seconds),
         ]
 
     sections = {
