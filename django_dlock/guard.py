@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -44,9 +44,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_dlock import holdings
 from django_dlock.exceptions import GuardNotSupported, LockLost
 from django_dlock.holdings import Holding
-from django_dlock.strategies.base import Guards
+from django_dlock.strategies.base import Guards, Request
 
-__all__ = ["guarded"]
+__all__ = ["guarded", "pinned", "same_database"]
 
 
 @contextlib.contextmanager
@@ -55,14 +55,8 @@ def guarded(held: Sequence[Holding], using: str | None) -> Iterator[None]:
     only while every holding in ``held`` (the holder's, one per key) is held."""
     first = held[0]
     strategy, alias = first.strategy, first.request.alias
-    using = alias if using is None else using
-    if using != alias:
-        raise GuardNotSupported(
-            f"{_names(held)} is held on the database {alias!r}: a guard checks it in the "
-            f"transaction of its writes, so they must go to {alias!r}, not {using!r}. For "
-            "data on another database, pass the lock's fence along and check it there "
-            "(see Safe writes and Fencing in the django-dlock docs)"
-        )
+    names = _names(held)
+    using = same_database(names, alias, using)
     for holding in held:
         if holding.lost or strategy.ended(holding.request):
             raise holding.error() if holding.lost else _ended(holding)
@@ -73,40 +67,78 @@ def guarded(held: Sequence[Holding], using: str | None) -> Iterator[None]:
         return
     if not isinstance(strategy, Guards):
         raise GuardNotSupported(
-            f"{_names(held)} uses the {strategy.name} strategy, whose lock is not kept "
+            f"{names} uses the {strategy.name} strategy, whose lock is not kept "
             "by a database transaction (an advisory session lock lives on a session of "
             "its own, a quorum lock on several databases): nothing can make a write "
             "commit only while it is held. Pass the lock's fence to the writes and "
             "reject stale ones (see Fencing in the django-dlock docs), or use the "
             "lease strategy"
         )
+    by_request = {id(holding.request): holding for holding in held}
+
+    def lost(req: Request) -> str:
+        holding = by_request[id(req)]
+        reason = "it was no longer held when the guarded writes were to commit"
+        holding.mark_lost(holding.loss_reason(reason))
+        return holding.lost_reason
+
+    def ended() -> None:
+        for holding in held:  # the lease may still be ours: only the database knows
+            holdings.confirm(holding)
+
+    with pinned(strategy, [holding.request for holding in held], names, lost, ended):
+        yield
+
+
+@contextlib.contextmanager
+def pinned(
+    strategy: Guards,
+    reqs: Sequence[Request],
+    names: str,
+    lost: Callable[[Request], str],
+    ended: Callable[[], None],
+) -> Iterator[None]:
+    """A transaction on the database of ``reqs`` that commits only while
+    ``strategy`` finds every one still the caller's, checked before it commits.
+
+    ``lost(req)`` records that ``req``'s holding is lost and says why;
+    ``ended()`` is called when the server ended the transaction's session.
+    """
+    using = reqs[0].alias
     connection = connections[using]
     try:
-        with transaction.atomic(using=using), _bounded(connection, first.request.ttl):
+        with transaction.atomic(using=using), _bounded(connection, reqs[0].ttl):
             yield
-            for holding in held:
-                if not strategy.pin(connection, holding.request):
-                    reason = "it was no longer held when the guarded writes were to commit"
-                    holding.mark_lost(holding.loss_reason(reason))
+            for req in reqs:
+                if not strategy.pin(connection, req):
                     raise LockLost(
-                        f"the guarded writes under {_names(held)} were rolled back: "
-                        f"{holding.name!r} was lost ({holding.lost_reason})"
+                        f"the guarded writes under {names} were rolled back: "
+                        f"{req.key.name!r} was lost ({lost(req)})"
                     )
     except DatabaseError as exc:
         if not _session_ended(connection, exc):
             raise
         # The server ended the session: it stayed silent inside the guarded
         # transaction for as long as the lease lasts (see _bounded), and the
-        # transaction rolled back. Whether the lease is still ours (renewed
-        # meanwhile) only the database knows.
+        # transaction rolled back.
         connection.close()
-        for holding in held:
-            holdings.confirm(holding)
+        ended()
         raise LockLost(
-            f"the guarded writes under {_names(held)} were rolled back: the server ended "
+            f"the guarded writes under {names} were rolled back: the server ended "
             "the session of their transaction, which stayed silent for longer than the "
-            f"lease ({first.request.ttl:g} s)"
+            f"lease ({reqs[0].ttl:g} s)"
         ) from exc
+
+
+def same_database(names: str, alias: str, using: str | None) -> str:
+    if using is None or using == alias:
+        return alias
+    raise GuardNotSupported(
+        f"{names} is held on the database {alias!r}: a guard checks it in the "
+        f"transaction of its writes, so they must go to {alias!r}, not {using!r}. For "
+        "data on another database, pass the lock's fence along and check it there "
+        "(see Safe writes and Fencing in the django-dlock docs)"
+    )
 
 
 def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:

@@ -296,3 +296,117 @@ def test_a_holder_frozen_with_its_lease_pinned_keeps_the_key_only_as_long_as_its
         assert not (folder / "outcome").exists()  # taken while the first is still frozen
     assert (folder / "outcome").read_text() != "committed"
     assert _read("default") == "B"
+
+
+# -- a leadership term -------------------------------------------------------------------
+
+FAST = {"lease": 2.0, "renew_deadline": 1.5, "retry": 0.4}
+
+
+def _leading(alias: str, name: str = "guard-leader") -> dlock.LeaderElection:
+    election = dlock.LeaderElection(name, using=alias, **FAST)
+    election.start()
+    wait_until(lambda: election.is_leader)
+    return election
+
+
+def test_a_leaders_guarded_writes_commit_only_during_its_term(alias):
+    election = _leading(alias)
+    try:
+        leadership = election._leadership
+        assert leadership is not None
+        with leadership.guard():
+            _write(alias, "A")
+        assert _read(alias) == "A"
+        with pytest.raises(dlock.LockLost, match="rolled back"), leadership.guard():
+            _elsewhere(alias, LOSSES["taken over"], "leader:guard-leader")
+            _write(alias, "B")
+        assert _read(alias) == "A"
+    finally:
+        election.stop()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", *QUORUM])
+def test_a_leadership_on_a_quorum_refuses_a_guard_and_points_to_the_term():
+    election = dlock.LeaderElection("guard-quorum", using=QUORUM, **FAST)
+    election.start()
+    try:
+        wait_until(lambda: election.is_leader)
+        leadership = election._leadership
+        assert leadership is not None
+        with pytest.raises(dlock.GuardNotSupported, match="term"):
+            leadership.guard().__enter__()
+    finally:
+        election.stop()
+        dlock.close_connections()
+
+
+class _Done(Exception):
+    """The frozen leader's target is done (whatever its term became)."""
+
+
+def _frozen_leader(alias: str, folder: str) -> None:
+    """Lead, write under the term's guard, and wait there (paused) for ``go``."""
+    from django_dlock.exceptions import LockLost
+
+    base = Path(folder)
+    outcome: list[str] = []
+
+    def lead(leadership) -> None:
+        try:
+            with leadership.guard():
+                _write(alias, "A")
+                (base / "ready").write_text("ready")
+                while not (base / "go").exists():
+                    time.sleep(0.02)
+            outcome.append("committed")
+        except LockLost:
+            outcome.append("LockLost")
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+        raise _Done  # run() stands by again after a lost term: end it
+
+    election = dlock.LeaderElection("guard-frozen", using=alias, **FAST)
+    with contextlib.suppress(_Done):
+        election.run(lead)
+    (base / "outcome").write_text(outcome[0] if outcome else "never led")
+
+
+@pytest.mark.slow
+def test_a_frozen_leaders_guarded_job_commits_nothing_after_its_successor_began(alias, tmp_path):
+    proc = procs.start(_frozen_leader, alias, str(tmp_path))
+    wait_until(lambda: (tmp_path / "ready").exists(), timeout=60)
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    successor = dlock.LeaderElection("guard-frozen", using=alias, **FAST)
+    try:
+        successor.start()
+        if alias != "sqlite":
+            # the successor leads once the frozen leader's lease ran out, and its
+            # guarded write goes through while the first is still frozen
+            wait_until(lambda: successor.is_leader, timeout=30)
+            leadership = successor._leadership
+            assert leadership is not None
+            in_thread(_guarded_write, leadership, alias, "B")
+            assert _read(alias) == "B"
+        else:
+            time.sleep(FAST["lease"] + 0.5)  # SQLite: the frozen one keeps the writers out
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        (tmp_path / "go").write_text("go")
+    proc.join(60)
+    try:
+        assert (tmp_path / "outcome").read_text() == "LockLost"  # it committed nothing
+        if alias == "sqlite":
+            wait_until(lambda: successor.is_leader, timeout=30)
+            leadership = successor._leadership
+            assert leadership is not None
+            _guarded_write(leadership, alias, "B")
+        assert _read(alias) == "B"
+    finally:
+        successor.stop()
+
+
+def _guarded_write(leadership: object, alias: str, value: str) -> None:
+    with leadership.guard():  # type: ignore[attr-defined]
+        _write(alias, value)

@@ -13,7 +13,7 @@ from django_dlock import notify
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Request
+from django_dlock.strategies.base import Request, Strategy
 from django_dlock.strategies.connection import _usable, statement_deadline
 
 logger = logging.getLogger("django_dlock")
@@ -25,6 +25,10 @@ __all__ = ["ADVISORY_TOKEN"]
 
 class _Backend(Protocol):
     """What the election asks of the database. Runs in the election's I/O thread."""
+
+    #: the strategy that can check and keep a term's lease row inside a
+    #: transaction (``Leadership.guard()``), or ``None``
+    guards: Strategy | None
 
     def acquire(self, req: Request, wait: float) -> int | None:
         """Become the leader: the term if acquired, else ``None``.
@@ -97,6 +101,7 @@ class _LeaseBackend:
         from django_dlock.strategies.lease import lease
 
         self.lease = lease
+        self.guards: Strategy | None = lease
         self.bound = bound
 
     def acquire(self, req: Request, wait: float) -> int | None:
@@ -141,6 +146,8 @@ class _AdvisoryBackend:
 
         self.advisory = implementation("advisory", "postgresql")
         self.lease = lease
+        # whoever holds the advisory lock holds the lease row too (taken over)
+        self.guards: Strategy | None = lease
         self.on_lost = on_lost
         self.warned = False
         #: the longest the take-over of the lease row may wait (see _LeaseBackend)

@@ -455,6 +455,8 @@ class Campaign:
 
     def _begin_term(self, term: int, started: float) -> None:
         leadership = Leadership(self.name, term, self.identity)
+        if self._backend.guards is not None and self._req is not None:
+            leadership._pin = (self._backend.guards, self._req)
         with self._changed:
             self._leadership = leadership
             self._valid_until = started + self.renew_deadline

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from django_dlock.exceptions import LockLost
+from django_dlock.strategies.base import Request, Strategy
 
 __all__ = ["LeaderRecord", "Leadership", "current_leadership"]
 
@@ -95,6 +96,9 @@ class Leadership:
         self._callbacks: list[Callable[[], None]] = []
         #: the renew deadline (:func:`_now` seconds); the election moves it on
         self._valid_until = math.inf
+        #: what :meth:`guard` checks: the strategy and request of the term's
+        #: lease row (``None``: a quorum's, or a term seen from another process)
+        self._pin: tuple[Strategy, Request] | None = None
 
     @property
     def ended(self) -> bool:
@@ -131,6 +135,53 @@ class Leadership:
                 return self.ended
             if self._ended.wait(step):
                 return True
+
+    def guard(self, using: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """A transaction whose writes commit only while this term lasts.
+
+        Like :meth:`django_dlock.Lock.guard`: the term's lease row is checked
+        at the end of the block, in its transaction (still this term's,
+        unexpired on the database clock), and kept until it commits, so the
+        next leader's term begins after the writes, never before. A term
+        found over rolls the block back and raises :class:`LockLost`::
+
+            def lead(leadership):
+                while not leadership.wait(60):
+                    report = build_report()            # may take long
+                    with leadership.guard():           # only while we lead
+                        Report.objects.filter(pk=1).update(data=report)
+
+        Raises:
+            LockLost: the term is over; nothing of the block was written.
+            GuardNotSupported: an election on a quorum of databases, or a
+                target isolated in a child process (``run(isolate=True)``):
+                fence the writes with :attr:`term` instead; or ``using`` is
+                another database than the election's.
+        """
+        from django_dlock.exceptions import GuardNotSupported
+        from django_dlock.guard import pinned, same_database
+        from django_dlock.strategies.base import Guards
+
+        names = repr(f"leader:{self.name}")
+        strategy, req = self._pin or (None, None)
+        if not isinstance(strategy, Guards) or req is None:
+            raise GuardNotSupported(
+                f"the leadership of {self.name!r} is not kept by a transaction of this "
+                "process (an election on a quorum of databases, or a target isolated in a "
+                "child process): pass the term to the writes and refuse older ones "
+                "(see Fencing in the django-dlock docs)"
+            )
+        same_database(names, req.alias, using)
+        if self.ended and not self.stepping_down:  # a graceful stop keeps the lease
+            raise LockLost(
+                f"the guarded writes under {names} were not made: term {self.term} is over "
+                f"({self.reason or 'its renew deadline passed'})"
+            )
+
+        def lost(_: Request) -> str:
+            return "the term's lease was taken over, released or ran out"
+
+        return pinned(strategy, [req], names, lost, lambda: None)
 
     def check(self) -> None:
         """Raise :class:`LockLost` if this term is over.

@@ -26,7 +26,7 @@ from django.utils.dateparse import parse_datetime
 
 from django_dlock.keys import Key
 from django_dlock.leader.leadership import LeaderRecord
-from django_dlock.strategies.base import Request
+from django_dlock.strategies.base import Request, Strategy
 from django_dlock.strategies.quorum import LiveRow, QuorumLease, quorum_strategy
 
 __all__ = ["QuorumBackend"]
@@ -34,6 +34,9 @@ __all__ = ["QuorumBackend"]
 
 class QuorumBackend:
     """The election's backend on a quorum of databases (the lease strategy)."""
+
+    #: a quorum's lease rows live on several databases: no transaction keeps them
+    guards: Strategy | None = None
 
     def __init__(self, aliases: tuple[str, ...], retry: float) -> None:
         self.quorum: QuorumLease = quorum_strategy("lease", aliases)
