@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 from asgiref.sync import sync_to_async
+from celery import Celery
 from django.db import connections, transaction
 
 import django_dlock as dlock
 from django_dlock import dbclock
+from django_dlock.contrib.celery import SingleInstanceTask
 from django_dlock.exceptions import DLockError
 
 from . import procs
@@ -410,3 +412,42 @@ def test_a_frozen_leaders_guarded_job_commits_nothing_after_its_successor_began(
 def _guarded_write(leadership: object, alias: str, value: str) -> None:
     with leadership.guard():  # type: ignore[attr-defined]
         _write(alias, value)
+
+
+# -- TaskLock runs and Celery tasks ------------------------------------------------------
+
+
+def test_a_tasklock_run_guards_its_writes(alias):
+    task = dlock.TaskLock("guard-task", min_hold=0, using=alias)
+    with pytest.raises(dlock.LockLost, match="was lost"), task as run:  # leaving: lost
+        assert run
+        with task.guard():
+            _write(alias, "A")
+        with pytest.raises(dlock.LockLost, match="rolled back"), task.guard():
+            _elsewhere(alias, LOSSES["taken over"], "task:guard-task")
+            _write(alias, "B")
+    assert _read(alias) == "A"
+
+
+celery_app = Celery("guard", set_as_current=False)
+
+
+@celery_app.task(base=SingleInstanceTask, bind=True, lock_args=["value"], name="guard.write")
+def guarded_task(self: SingleInstanceTask, alias: str, value: str, steal: bool) -> str:
+    with self.guard(using=alias):
+        if steal:
+            name = "lock:" + self.lock_key((alias, value, steal), {})
+            _elsewhere(alias, LOSSES["taken over"], name)
+        _write(alias, value)
+    return value
+
+
+def test_a_celery_task_guards_its_writes_with_its_runs_lock(alias, monkeypatch):
+    monkeypatch.setattr(guarded_task, "lock_using", alias)
+    assert guarded_task(alias, "A", False) == "A"  # a direct call runs the body here
+    assert _read(alias) == "A"
+    with pytest.raises(dlock.LockLost):
+        guarded_task(alias, "B", True)
+    assert _read(alias) == "A"
+    with pytest.raises(dlock.DLockError, match="body of a running task"):
+        guarded_task.guard()

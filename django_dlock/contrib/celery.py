@@ -40,6 +40,7 @@ accepts them): ``lock_args``, ``lock_ttl``, ``lock_timeout``, ``on_locked``,
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import hashlib
@@ -48,6 +49,7 @@ import json
 import logging
 import uuid
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from celery import Task
@@ -55,7 +57,7 @@ from celery import Task
 from django_dlock import signals
 from django_dlock._http import guarded_call
 from django_dlock.conf import conf
-from django_dlock.exceptions import InvalidLockKey
+from django_dlock.exceptions import DLockError, InvalidLockKey
 from django_dlock.keys import MAX_KEY_LENGTH
 from django_dlock.locks import Lock, why_busy
 from django_dlock.tasklock import TaskLock
@@ -126,6 +128,10 @@ def _valid_text(text: str) -> bool:
 
 def _digest(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+#: the lock of the task run in progress in this thread or task (for ``guard()``)
+_RUNNING: ContextVar[Lock | None] = ContextVar("django_dlock_celery_running", default=None)
 
 
 class SingleInstanceTask(Task):  # type: ignore[misc]
@@ -212,9 +218,37 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         lk = self._lock(self.lock_key(args, kwargs))
         run = super().__call__
-        return guarded_call(
-            lk, lambda: run(*args, **kwargs), lambda: self._locked(lk), stream=False
-        )
+
+        def running() -> Any:
+            token = _RUNNING.set(lk)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                _RUNNING.reset(token)
+
+        return guarded_call(lk, running, lambda: self._locked(lk), stream=False)
+
+    def guard(self, using: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """In the task's body: a transaction whose writes commit only while
+        this run holds its lock (see ``Lock.guard()``)::
+
+            @shared_task(base=SingleInstanceTask, bind=True, lock_args=["invoice_id"])
+            def charge(self, invoice_id):
+                total = compute(invoice_id)                # may take long
+                with self.guard():                         # only while this run holds it
+                    Invoice.objects.filter(pk=invoice_id).update(total=total)
+
+        Raises:
+            DLockError: called outside the task's running body.
+            LockLost: the run's lock was lost; nothing of the block was written.
+        """
+        lk = _RUNNING.get()
+        if lk is None:
+            raise DLockError(
+                f"{self.name}.guard() is for the body of a running task (bind=True, "
+                "`with self.guard():` inside the task function)"
+            )
+        return lk.guard(using)
 
     def _locked(self, lk: Lock) -> Any:
         if self.once_per is None and self.on_locked == "retry":
