@@ -82,18 +82,28 @@ def raw_connection(alias: str = "default") -> Any:
 
 
 def ensure_databases() -> None:
-    """Create the benchmark databases if missing and migrate them."""
-    import psycopg
+    """Create the benchmark databases if missing (PostgreSQL and MySQL/MariaDB
+    servers; SQLite makes its own) and migrate them."""
     from django.conf import settings
     from django.core.management import call_command
 
-    db = settings.DATABASES["default"]
-    dsn = f"host={db['HOST']} port={db['PORT']} user={db['USER']} dbname=postgres"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for alias in settings.DATABASES:
-            name = settings.DATABASES[alias]["NAME"]
-            found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name])
-            if found.fetchone() is None:
-                conn.execute(f'CREATE DATABASE "{name}"')
+    for db in settings.DATABASES.values():
+        engine = db["ENGINE"]
+        if engine.endswith("postgresql"):
+            import psycopg
+
+            dsn = f"host={db['HOST']} port={db['PORT']} user={db['USER']} dbname=postgres"
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [db["NAME"]])
+                if found.fetchone() is None:
+                    conn.execute(f'CREATE DATABASE "{db["NAME"]}"')
+        elif engine.endswith("mysql"):
+            import MySQLdb
+
+            server = MySQLdb.connect(
+                host=db["HOST"], port=int(db["PORT"]), user=db["USER"], password=db["PASSWORD"]
+            )
+            server.cursor().execute(f"CREATE DATABASE IF NOT EXISTS `{db['NAME']}`")
+            server.close()
     for alias in settings.DATABASES:
         call_command("migrate", database=alias, verbosity=0)

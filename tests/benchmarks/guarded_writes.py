@@ -23,28 +23,6 @@ PROBE = "dlock_bench_guard_probe"
 LABELS = {"default": "PostgreSQL", "sqlite": "SQLite", "mysql": "MariaDB"}
 
 
-def _ensure_databases() -> None:
-    import MySQLdb
-    import psycopg
-    from django.conf import settings
-    from django.core.management import call_command
-
-    pg = settings.DATABASES["default"]
-    dsn = f"host={pg['HOST']} port={pg['PORT']} user={pg['USER']} dbname=postgres"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [pg["NAME"]])
-        if found.fetchone() is None:
-            conn.execute(f'CREATE DATABASE "{pg["NAME"]}"')
-    my = settings.DATABASES["mysql"]
-    server = MySQLdb.connect(
-        host=my["HOST"], port=int(my["PORT"]), user=my["USER"], password=my["PASSWORD"]
-    )
-    server.cursor().execute(f"CREATE DATABASE IF NOT EXISTS `{my['NAME']}`")
-    server.close()
-    for alias in settings.DATABASES:
-        call_command("migrate", database=alias, verbosity=0)
-
-
 def contenders(alias: str) -> dict[str, Callable[[], None]]:
     from django.db import connections, transaction
 
@@ -108,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=0.5)
     args = parser.parse_args(argv)
 
-    from .common import interleaved, setup_django
+    from .common import ensure_databases, interleaved, setup_django
 
     setup_django()
-    _ensure_databases()
+    ensure_databases()
     print("| database | plain atomic, writes/s | guarded, writes/s | guarded / plain, time |")
     print("| --- | ---: | ---: | ---: |")
     for alias, label in LABELS.items():

@@ -78,31 +78,16 @@ def measure(alias: str, rounds: int, seconds: float) -> dict[str, list[float]]:
     return {name: series.rates for name, series in results.items()}
 
 
-def _ensure_databases() -> None:
-    import psycopg
-    from django.conf import settings
-    from django.core.management import call_command
-
-    db = settings.DATABASES["default"]
-    dsn = f"host={db['HOST']} port={db['PORT']} user={db['USER']} dbname=postgres"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [db["NAME"]])
-        if found.fetchone() is None:
-            conn.execute(f'CREATE DATABASE "{db["NAME"]}"')
-    for alias in settings.DATABASES:
-        call_command("migrate", database=alias, verbosity=0)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.metrics_overhead")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--seconds", type=float, default=0.5)
     args = parser.parse_args(argv)
 
-    from .common import setup_django
+    from .common import ensure_databases, setup_django
 
     setup_django()
-    _ensure_databases()
+    ensure_databases()
     print("| database | off, pairs/s (median) | off / before | on / off |")
     print("| --- | ---: | ---: | ---: |")
     for alias, label in (("default", "PostgreSQL"), ("memory", "SQLite (memory)")):
