@@ -24,6 +24,7 @@ __all__ = [
     "NotMigrated",
     "QuorumUnavailable",
     "SessionBusy",
+    "StaleFence",
     "StrategyNotSupported",
     "SyncInAsyncContext",
     "TransactionRequired",
@@ -72,6 +73,10 @@ class LockLost(LockNotOwned):
     advisory lock ended. It is a :class:`LockNotOwned`, because the caller
     no longer owns the lock.
     """
+
+
+class StaleFence(LockLost):
+    """A fenced write was refused: a newer holder has written with a newer fence."""
 
 
 class SessionBusy(DLockError):

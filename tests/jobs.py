@@ -108,15 +108,25 @@ def record_db() -> None:
 
 def _regex_size_for(seconds: float) -> int:
     """The size at which the catastrophic expression of :func:`hold_gil` runs at least
-    ``seconds`` here (each step up doubles the time): measured at a small size."""
+    ``seconds`` here (each step up doubles the time).
+
+    Measured at the first size that takes 20 ms or more, the fastest of three
+    tries: a machine busy while it measures would otherwise size the run
+    for itself, and the run, on a quieter machine, would end too early.
+    """
     import math
     import re
     import time
 
-    started = time.perf_counter()
-    assert re.match(r"(a+)+$", "a" * 20 + "b") is None
-    took = max(time.perf_counter() - started, 1e-6)
-    return 20 + max(0, math.ceil(math.log2(seconds / took)))
+    def took(size: int) -> float:
+        started = time.perf_counter()
+        assert re.match(r"(a+)+$", "a" * size + "b") is None
+        return max(time.perf_counter() - started, 1e-6)
+
+    size = 16
+    while (fastest := min(took(size) for _ in range(3))) < 0.02:
+        size += 1
+    return size + max(0, math.ceil(math.log2(seconds / fastest)))
 
 
 def hold_gil() -> None:
