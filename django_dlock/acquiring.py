@@ -8,7 +8,9 @@ tried, until one is busy; what the walk
 took is given back, all or none, when it fails or raises (a cancelled task
 included).
 
-:meth:`Attempt.take` is that walk, written once. Its three database steps
+:meth:`Attempt.take` is that walk, written once. It acts on the call's
+:class:`~django_dlock.options.Options` and the holder, handed down by the
+lock; it never calls back into the lock. Its three database steps
 (renew, try, give back) are awaited through an :class:`_Steps` object:
 :class:`_AsyncSteps` runs them off the event loop; :class:`_SyncSteps` runs
 them in the calling thread and never suspends, so :meth:`Attempt.run` drives

@@ -176,7 +176,7 @@ def _bounded(connection: BaseDatabaseWrapper, seconds: float) -> Iterator[None]:
     try:
         yield
     finally:
-        if connection.is_usable():
+        if connection.connection is not None and connection.is_usable():
             with connection.cursor() as cur:
                 cur.execute("SET SESSION wait_timeout = @dlock_wait_timeout")
 
