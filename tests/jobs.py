@@ -110,18 +110,19 @@ def _regex_size_for(seconds: float) -> int:
     """The size at which the catastrophic expression of :func:`hold_gil` runs at least
     ``seconds`` here (each step up doubles the time).
 
-    Measured at the first size that takes 20 ms or more, the fastest of three
-    tries: a machine busy while it measures would otherwise size the run
-    for itself, and the run, on a quieter machine, would end too early.
+    Measured in CPU time of this thread (``time.thread_time``), at the first
+    size that takes 20 ms of it: other processes busy on the machine do not
+    count, so the run, which takes at least its CPU time on the wall clock,
+    lasts at least ``seconds`` however busy the machine is then.
     """
     import math
     import re
     import time
 
     def took(size: int) -> float:
-        started = time.perf_counter()
+        started = time.thread_time()
         assert re.match(r"(a+)+$", "a" * size + "b") is None
-        return max(time.perf_counter() - started, 1e-6)
+        return max(time.thread_time() - started, 1e-6)
 
     size = 16
     while (fastest := min(took(size) for _ in range(3))) < 0.02:
