@@ -96,7 +96,8 @@ DATABASES = {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(Path(tempfile.gettempdir()) / f"django_dlock{SUFFIX}.sqlite3"),
         "OPTIONS": {"timeout": 30},
-        "TEST": {"NAME": _sqlite_test},
+        # created on its own: a test may use this database alone
+        "TEST": {"NAME": _sqlite_test, "DEPENDENCIES": []},
     },
     "mysql": {
         "ENGINE": "django.db.backends.mysql",
@@ -110,6 +111,7 @@ DATABASES = {
             "NAME": f"test_dlock{SUFFIX}",
             "CHARSET": "utf8mb4",
             "COLLATION": "utf8mb4_unicode_ci",
+            "DEPENDENCIES": [],
         },
     },
 }

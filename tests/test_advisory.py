@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
-import signal
 import threading
-import time
 
 import pytest
-from django.db import connections, transaction
+from django.db import connections
 from django.test.utils import CaptureQueriesContext, override_settings
 
 import django_dlock as dlock
-from django_dlock import signals
 from django_dlock.keys import hash32, hash64, make_key, pg_locks_ids
 from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.connection import close_private_connections
 
-from . import procs
-from .helpers import in_thread, run_threads, wait_until
+from .helpers import in_thread, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -92,25 +87,6 @@ def try_once(key, **options) -> bool:
     return in_thread(attempt)
 
 
-def test_acquire_release_and_state():
-    lk = dlock.lock("job", strategy=ADV)
-    assert not lk.locked()
-    assert lk.acquire(timeout=0) is True
-    assert lk.held() and lk.owned() and lk.locked()
-    assert lk.fence is None  # fencing is opt-in for advisory locks
-    [(pid, mode)] = pg_locks("job")
-    assert mode == "ExclusiveLock"
-    assert try_once("job") is False
-    lk.release()
-    assert not lk.locked() and not lk.owned() and not lk.held()
-    assert pg_locks("job") == []
-    assert try_once("job") is True
-    from django_dlock.models import Lock as LockRow  # (not at import: spawned workers)
-
-    # Advisory locks write no lease row.
-    assert not LockRow.objects.filter(name="lock:job").exists()
-
-
 def test_string_key_is_the_documented_bigint_in_pg_locks():
     key = make_key("invoice:42")
     assert key.advisory == (hash64("lock:invoice:42"),)
@@ -178,35 +154,6 @@ def test_fencing_is_opt_in_and_increases():
             assert waited.fence > fences[-1]
 
 
-def test_reentrancy_counts_per_holder():
-    outer = dlock.lock("re", strategy=ADV)
-    with outer:
-        with dlock.lock("re", strategy=ADV), outer:
-            pass
-        assert outer.owned()
-        assert try_once("re") is False
-        assert len(pg_locks("re")) == 1  # one lock in the database, counted in Python
-    assert try_once("re") is True
-    with outer, pytest.raises(dlock.LockReentrantError):
-        dlock.lock("re", strategy=ADV, reentrant=False).acquire()
-
-
-def test_threads_contend_never_sharing_a_session():
-    with dlock.lock("a", strategy=ADV):
-        [(mine, _)] = pg_locks("a")
-
-        def hold_b() -> int:
-            with dlock.lock("b", strategy=ADV):
-                [(pid, _)] = pg_locks("b")
-                assert dlock.lock("a", strategy=ADV).acquire(timeout=0) is False
-                return pid
-
-        assert in_thread(hold_b) != mine
-        # The same holder keeps all its locks on one session.
-        with dlock.lock("c", strategy=ADV):
-            assert pg_locks("c") == [(mine, "ExclusiveLock")]
-
-
 def test_blocking_wait_is_fifo_in_the_server_queue():
     holder = dlock.lock("queue", strategy=ADV)
     holder.acquire()
@@ -232,57 +179,6 @@ def test_blocking_wait_is_fifo_in_the_server_queue():
     for thread in threads:
         thread.join(60)
     assert order == ["first", "second", "third"]
-
-
-def test_timeout_gives_up_with_lock_timeout_and_leaves_nothing():
-    with dlock.lock("busy", strategy=ADV):
-        assert in_thread(lambda: dlock.lock("busy", strategy=ADV).acquire(timeout=0.2)) is False
-        with pytest.raises(dlock.LockTimeout) as info:
-            in_thread(lambda: dlock.lock("busy", strategy=ADV, timeout=0.1).__enter__())
-        assert isinstance(info.value, TimeoutError)
-        assert pg_locks("busy", granted=False) == []  # no waiter left in the queue
-        assert len(pg_locks("busy")) == 1
-
-
-def test_waiter_gets_the_lock_at_release():
-    holder = dlock.lock("handoff", strategy=ADV)
-    holder.acquire()
-    got = threading.Event()
-
-    def waiter() -> None:
-        with dlock.lock("handoff", strategy=ADV, timeout=60):
-            got.set()
-        connections.close_all()
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    wait_until(lambda: len(pg_locks("handoff", granted=False)) == 1)
-    assert not got.is_set()
-    holder.release()
-    thread.join(60)
-    assert got.is_set()
-
-
-def test_timeout_inside_an_outer_atomic_leaves_it_usable():
-    with dlock.lock("held", strategy=ADV):
-
-        def work() -> list[str]:
-            from django_dlock.models import Lock as LockRow
-
-            with transaction.atomic():
-                LockRow.objects.create(name="data:before", expire_at="2000-01-01T00:00:00Z")
-                with (
-                    pytest.raises(dlock.LockTimeout),
-                    dlock.lock("held", strategy=ADV, timeout=0.2),
-                ):
-                    pass
-                assert dlock.lock("held", strategy=ADV).acquire(timeout=0) is False
-                LockRow.objects.create(name="data:after", expire_at="2000-01-01T00:00:00Z")
-            return sorted(
-                LockRow.objects.filter(name__startswith="data:").values_list("name", flat=True)
-            )
-
-        assert in_thread(work) == ["data:after", "data:before"]
 
 
 def test_shared_readers_and_one_writer():
@@ -324,17 +220,6 @@ def test_a_shared_holding_is_not_re_entered_exclusively():
     assert try_once("mode") is True
 
 
-def test_many_keys_on_one_session_all_or_none():
-    with dlock.lock("y", strategy=ADV):
-        both = dlock.lock(["x", "y"], strategy=ADV)
-        assert in_thread(lambda: both.acquire(timeout=0)) is False
-        assert pg_locks("x") == []  # "x" was given back
-    with dlock.lock(["y", "x"], strategy=ADV):
-        [(pid_x, _)] = pg_locks("x")
-        [(pid_y, _)] = pg_locks("y")
-        assert pid_x == pid_y
-
-
 def test_decorator_and_skip():
     calls: list[int] = []
 
@@ -362,20 +247,6 @@ def test_not_supported_on_sqlite():
 # -- asyncio ------------------------------------------------------------------------
 
 
-def test_two_tasks_in_one_thread_contend():
-    async def main() -> tuple[bool, bool, bool]:
-        first = dlock.lock("tasks", strategy=ADV)
-        await first.aacquire()
-        other = await asyncio.create_task(dlock.lock("tasks", strategy=ADV).aacquire(timeout=0))
-        reentered = await dlock.lock("tasks", strategy=ADV).aacquire(timeout=0)  # same task
-        await dlock.lock("tasks", strategy=ADV).arelease()
-        await first.arelease()
-        after = await asyncio.create_task(_try_and_release("tasks"))
-        return other, reentered, after
-
-    assert asyncio.run(main()) == (False, True, True)
-
-
 async def _try_and_release(key: str) -> bool:
     lk = dlock.lock(key, strategy=ADV)
     if await lk.aacquire(timeout=0):
@@ -384,54 +255,9 @@ async def _try_and_release(key: str) -> bool:
     return False
 
 
-def test_async_wait_does_not_block_the_event_loop():
-    holder = HeldElsewhere("aloop")
-
-    async def main() -> int:
-        ticks = 0
-        stop = asyncio.Event()
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop.is_set():
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        ticking = asyncio.create_task(ticker())
-        waiter = asyncio.create_task(_hold_briefly("aloop", timeout=60))
-        await asyncio.to_thread(wait_until, lambda: len(pg_locks("aloop", granted=False)) == 1)
-        during = ticks
-        await asyncio.sleep(0.2)
-        assert ticks > during  # the loop kept running while the task waited
-        await asyncio.to_thread(holder.release)
-        assert await asyncio.wait_for(waiter, 60) is True
-        stop.set()
-        await ticking
-        return ticks
-
-    assert asyncio.run(main()) > 0
-
-
 async def _hold_briefly(key: str, **options) -> bool:
     async with dlock.lock(key, strategy=ADV, **options) as lk:
         return lk.held()
-
-
-def test_cancelled_async_wait_leaves_nothing_held():
-    holder = HeldElsewhere("acancel")
-
-    async def main() -> None:
-        waiter = asyncio.create_task(_hold_briefly("acancel", timeout=None))
-        await asyncio.to_thread(wait_until, lambda: len(pg_locks("acancel", granted=False)) == 1)
-        waiter.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        await asyncio.to_thread(wait_until, lambda: pg_locks("acancel", granted=False) == [])
-
-    asyncio.run(main())
-    holder.release()
-    wait_until(lambda: not dlock.lock("acancel", strategy=ADV).locked())
-    assert try_once("acancel") is True
 
 
 def test_many_async_waiters_do_not_starve_other_tasks():
@@ -454,170 +280,10 @@ def test_many_async_waiters_do_not_starve_other_tasks():
     assert asyncio.run(main()) is True
 
 
-def test_asyncio_tasks_exclude_each_other():
-    state = {"counter": 0, "inside": 0, "overlaps": 0}
-    tasks_count, iterations = 12, 10
-
-    async def task() -> None:
-        for _ in range(iterations):
-            async with dlock.lock("acounter", strategy=ADV, timeout=60):
-                state["inside"] += 1
-                state["overlaps"] += state["inside"] > 1
-                value = state["counter"]
-                await asyncio.sleep(0)  # let every other task run here
-                state["counter"] = value + 1
-                state["inside"] -= 1
-
-    async def main() -> None:
-        await asyncio.gather(*(task() for _ in range(tasks_count)))
-
-    asyncio.run(main())
-    assert state["overlaps"] == 0
-    assert state["counter"] == tasks_count * iterations
-
-
 # -- threads and processes ---------------------------------------------------------
 
 
-def _counting_worker(counter_path: str, iterations: int, shared_key: str = "counter") -> None:
-    counter = procs.FileCounter(counter_path)
-    lk = dlock.lock(shared_key, strategy=ADV, timeout=120)
-    for _ in range(iterations):
-        with lk:
-            counter.increment(pause=0.0002)
-
-
-def test_threads_exclude_each_other(tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    run_threads(_counting_worker, [(counter.path, 50)] * 8)
-    assert counter.read() == 400
-
-
-@pytest.mark.slow
-def test_processes_exclude_each_other(tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    procs.run_all(_counting_worker, [(counter.path, 200)] * 8)
-    assert counter.read() == 8 * 200
-
-
 # -- faults -------------------------------------------------------------------------------
-
-
-def _hold_forever(ready_path: str) -> None:
-    lk = dlock.lock("crash", strategy=ADV, ttl=3600)
-    lk.acquire()
-    with open(ready_path, "w") as f:
-        f.write(str(os.getpid()))
-    time.sleep(600)
-
-
-def test_sigkill_of_the_holder_frees_the_lock_at_once(tmp_path):
-    ready = tmp_path / "ready"
-    proc = procs.start(_hold_forever, str(ready))
-    try:
-        wait_until(ready.exists, timeout=60)
-        assert dlock.lock("crash", strategy=ADV).locked()
-        assert try_once("crash") is False
-        result: dict[str, object] = {}
-
-        def waiter() -> None:
-            lk = dlock.lock("crash", strategy=ADV, ttl=3600)
-            result["acquired"] = lk.acquire(timeout=60)  # far less than any lease
-            if result["acquired"]:
-                lk.release()
-            connections.close_all()
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        wait_until(lambda: len(pg_locks("crash", granted=False)) == 1)
-        os.kill(proc.pid, signal.SIGKILL)
-        thread.join(60)
-        assert result == {"acquired": True}
-    finally:
-        proc.kill()
-        proc.join(10)
-
-
-def test_terminated_session_is_detected_as_loss():
-    lost_events: list[dlock.LockLost] = []
-    signalled: list[tuple[str, str]] = []
-
-    def receiver(sender, name, strategy, reason, **kwargs):
-        signalled.append((name, strategy))
-
-    signals.lock_lost.connect(receiver)
-    try:
-        lk = dlock.lock("victim", strategy=ADV, on_lost=lost_events.append)
-        lk.acquire()
-        [(pid, _)] = pg_locks("victim")
-        with connections["default"].cursor() as cur:
-            cur.execute("SELECT pg_terminate_backend(%s)", [pid])
-        # The watcher notices the closed session without any statement of ours.
-        wait_until(lambda: lk.lost, timeout=30)
-        assert len(lost_events) == 1 and isinstance(lost_events[0], dlock.LockLost)
-        assert signalled == [("lock:victim", "advisory")]
-        assert not lk.held() and not lk.owned()
-        assert try_once("victim") is True  # the server freed it with the session
-        with pytest.raises(dlock.LockLost):
-            lk.release()
-        with lk:  # the same holder starts again on a new session
-            assert lk.owned()
-    finally:
-        signals.lock_lost.disconnect(receiver)
-
-
-def test_loss_found_at_release_without_the_watcher():
-    lk = dlock.lock("quiet", strategy=ADV)
-    lk.acquire()
-    session = sessions.find("default", lk.token)
-    assert session is not None
-    with session.mutex:  # keep the watcher away, as if it had not looked yet
-        with connections["default"].cursor() as cur:
-            cur.execute("SELECT pg_terminate_backend(%s)", [session.backend_pid])
-        time.sleep(0.3)
-    with pytest.raises(dlock.LockLost):
-        lk.release()
-
-
-def test_unlock_returning_false_is_never_ignored():
-    lk = dlock.lock("unlocked", strategy=ADV)
-    lk.acquire()
-    session = sessions.find("default", lk.token)
-    assert session is not None
-    # Someone released it on our session behind our back.
-    with session.mutex:
-        session.conn.execute("SELECT pg_advisory_unlock_all()")
-    assert not lk.owned()
-    with pytest.raises(dlock.LockLost):
-        lk.release()
-
-
-def test_a_switched_server_session_is_refused():
-    # What a transaction-mode pooler (PgBouncer) does: the next statement runs
-    # on another server session. Simulated by changing the pid we expect.
-    keep = dlock.lock("kept", strategy=ADV)
-    keep.acquire()
-    session = sessions.find("default", keep.token)
-    assert session is not None
-    session.backend_pid, session.backend_pid_text = -1, b"-1"
-    with pytest.raises(dlock.DLockError, match="PgBouncer"):
-        dlock.lock("next", strategy=ADV).acquire(timeout=0)
-    assert keep.lost  # what the session held is reported lost
-    with pytest.raises(dlock.LockLost):
-        keep.release()
-    assert try_once("kept") is True and try_once("next") is True
-
-
-def test_a_thread_that_ends_holding_frees_its_locks():
-    def leak() -> None:
-        dlock.lock("leaked", strategy=ADV).acquire()
-
-    in_thread(leak)
-    gc.collect()
-    wait_until(lambda: not dlock.lock("leaked", strategy=ADV).locked(), timeout=30)
-    assert try_once("leaked") is True
 
 
 def test_a_failed_statement_is_a_named_error_and_holds_nothing():

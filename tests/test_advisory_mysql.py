@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
-import signal
 import threading
 
 import pytest
@@ -13,13 +11,11 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 import django_dlock as dlock
-from django_dlock import signals
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import mysql, sessions
 from django_dlock.strategies.advisory.mysql import MAX_NAME_LENGTH, lock_name
 from django_dlock.strategies.connection import close_private_connections
 
-from . import procs
 from .helpers import in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
@@ -53,17 +49,6 @@ def holder_id(key) -> int | None:
         return cur.fetchone()[0]
 
 
-def waiting(key) -> int:
-    """How many connections wait in GET_LOCK for ``key`` now."""
-    with connections[DB].cursor() as cur:
-        cur.execute(
-            "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
-            "WHERE COMMAND = 'Query' AND INFO LIKE %s AND ID <> CONNECTION_ID()",
-            [f"SELECT GET_LOCK('{name_in_server(key)}'%"],
-        )
-        return int(cur.fetchone()[0])
-
-
 def kill(connection_id: int) -> None:
     with connections[DB].cursor() as cur:
         cur.execute("KILL %s", [connection_id])
@@ -80,30 +65,6 @@ def try_once(key) -> bool:
         return False
 
     return in_thread(attempt)
-
-
-class HeldElsewhere:
-    """A lock held by a thread of its own until :meth:`release`."""
-
-    def __init__(self, key) -> None:
-        self._acquired = threading.Event()
-        self._go = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(key,))
-        self._thread.start()
-        assert self._acquired.wait(30)
-
-    def _run(self, key) -> None:
-        try:
-            with mlock(key):
-                self._acquired.set()
-                self._go.wait(120)
-        finally:
-            connections.close_all()
-
-    def release(self) -> None:
-        self._go.set()
-        self._thread.join(60)
-        assert not self._thread.is_alive()
 
 
 # -- names -------------------------------------------------------------------------
@@ -160,311 +121,13 @@ def test_long_and_odd_keys_lock_and_exclude():
 # -- acquire, release, re-entrancy -------------------------------------------------
 
 
-def test_acquire_release_and_state():
-    lk = mlock("state")
-    assert not lk.locked()
-    assert lk.acquire(timeout=0)
-    session = sessions.find(DB, lk.token)
-    assert isinstance(session, mysql.MySQLSession)
-    assert holder_id("state") == session.backend_pid
-    assert lk.held() and lk.owned() and lk.locked() and lk.fence is None
-    assert try_once("state") is False
-    lk.release()
-    assert holder_id("state") is None
-    assert not lk.held() and not lk.owned() and not lk.locked()
-    with pytest.raises(dlock.LockNotOwned):
-        lk.release()
-
-
-def test_reentrancy_counts_in_django_dlock_and_releases_once():
-    lk = mlock("again")
-    for _ in range(3):
-        assert lk.acquire(timeout=0)
-    # The server holds it once (GET_LOCK ran once): two releases keep it,
-    # the third frees it for everyone.
-    lk.release()
-    lk.release()
-    assert holder_id("again") is not None and try_once("again") is False
-    lk.release()
-    assert holder_id("again") is None
-    assert try_once("again") is True
-    with pytest.raises(dlock.LockReentrantError), mlock("again"):
-        mlock("again", reentrant=False).acquire(timeout=0)
-
-
-def test_two_holders_in_one_process_never_share_a_connection():
-    ids: dict[str, int] = {}
-    barrier = threading.Barrier(2)
-
-    def hold(key: str) -> None:
-        with mlock(key) as lk:
-            session = sessions.find(DB, lk.token)
-            assert session is not None
-            ids[key] = session.backend_pid
-            barrier.wait(30)  # both hold at once
-
-    run_threads(hold, [("one",), ("two",)])
-    assert ids["one"] != ids["two"]
-
-    async def main() -> tuple[bool, bool]:
-        first = mlock("tasks")
-        await first.aacquire()
-        other = await asyncio.create_task(mlock("tasks").aacquire(timeout=0))
-        reentered = await mlock("tasks").aacquire(timeout=0)  # the same task
-        await mlock("tasks").arelease()
-        await first.arelease()
-        return other, reentered
-
-    assert asyncio.run(main()) == (False, True)
-
-
-def test_many_keys_all_or_none():
-    with mlock("b"):
-        assert in_thread(lambda: mlock(["a", "b", "c"]).acquire(timeout=0)) is False
-        assert holder_id("a") is None and holder_id("c") is None
-    with mlock(["a", "b", "c"]) as lk:
-        assert lk.owned()
-        assert len({holder_id(k) for k in "abc"}) == 1  # one connection per holder
-
-
 # -- timeouts ------------------------------------------------------------------------
-
-
-def test_timeouts_zero_and_seconds_give_up_and_leave_nothing():
-    holder = HeldElsewhere("busy")
-    try:
-        owner = holder_id("busy")
-        assert in_thread(lambda: mlock("busy").acquire(timeout=0)) is False
-        assert in_thread(lambda: mlock("busy").acquire(timeout=0.3)) is False
-        with pytest.raises(dlock.LockTimeout):
-            in_thread(lambda: mlock("busy", timeout=0.2).__enter__())
-        assert holder_id("busy") == owner and waiting("busy") == 0
-    finally:
-        holder.release()
-    assert try_once("busy") is True
-
-
-def test_timeout_none_waits_until_released():
-    holder = HeldElsewhere("forever")
-    result: dict[str, bool] = {}
-
-    def waiter() -> None:
-        lk = mlock("forever", timeout=None)
-        with lk:
-            result["held"] = lk.owned()
-        connections.close_all()
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    wait_until(lambda: waiting("forever") == 1)
-    holder.release()
-    thread.join(60)
-    assert result == {"held": True}
-
-
-def test_a_bounded_wait_gets_the_lock_at_release():
-    holder = HeldElsewhere("handover")
-    box: dict[str, bool] = {}
-    thread = threading.Thread(target=lambda: box.update(got=mlock("handover").acquire(timeout=60)))
-    thread.start()
-    wait_until(lambda: waiting("handover") == 1)
-    holder.release()
-    thread.join(60)
-    assert box == {"got": True}
-    # the thread ended holding it: its connection is closed, which frees it
-    gc.collect()
-    wait_until(lambda: holder_id("handover") is None, timeout=30)
 
 
 # -- threads, tasks, processes ------------------------------------------------------
 
 
-def _counting_worker(counter_path: str, iterations: int) -> None:
-    counter = procs.FileCounter(counter_path)
-    lk = mlock("counter", timeout=120)
-    for _ in range(iterations):
-        with lk:
-            counter.increment(pause=0.0002)
-
-
-def test_threads_exclude_each_other(tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    run_threads(_counting_worker, [(counter.path, 40)] * 6)
-    assert counter.read() == 240
-
-
-def test_processes_exclude_each_other(tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    procs.run_all(_counting_worker, [(counter.path, 50)] * 4)
-    assert counter.read() == 200
-
-
-def test_asyncio_tasks_exclude_each_other():
-    state = {"counter": 0, "inside": 0, "overlaps": 0}
-
-    async def task() -> None:
-        for _ in range(8):
-            async with mlock("acounter", timeout=60):
-                state["inside"] += 1
-                state["overlaps"] += state["inside"] > 1
-                value = state["counter"]
-                await asyncio.sleep(0)  # let every other task run here
-                state["counter"] = value + 1
-                state["inside"] -= 1
-
-    async def main() -> None:
-        await asyncio.gather(*(task() for _ in range(6)))
-
-    asyncio.run(main())
-    assert state == {"counter": 48, "inside": 0, "overlaps": 0}
-
-
-def test_async_wait_does_not_block_the_event_loop_and_cancels_in_the_server():
-    holder = HeldElsewhere("await")
-
-    async def hold(timeout) -> bool:
-        async with mlock("await", timeout=timeout) as lk:
-            return lk.held()
-
-    async def main() -> None:
-        ticks = 0
-        stop = asyncio.Event()
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop.is_set():
-                ticks += 1
-                await asyncio.sleep(0.01)
-
-        ticking = asyncio.create_task(ticker())
-        cancelled = asyncio.create_task(hold(None))
-        await asyncio.to_thread(wait_until, lambda: waiting("await") == 1)
-        during = ticks
-        await asyncio.sleep(0.2)
-        assert ticks > during  # the loop kept running while the task waited
-        cancelled.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await cancelled
-        # KILL QUERY ended the wait in the server
-        await asyncio.to_thread(wait_until, lambda: waiting("await") == 0)
-        waiter = asyncio.create_task(hold(60))
-        await asyncio.to_thread(wait_until, lambda: waiting("await") == 1)
-        await asyncio.to_thread(holder.release)
-        assert await asyncio.wait_for(waiter, 60) is True
-        stop.set()
-        await ticking
-
-    asyncio.run(main())
-    assert try_once("await") is True
-
-
 # -- loss ------------------------------------------------------------------------------
-
-
-def test_killed_connection_is_reported_lost_and_frees_the_lock():
-    lost: list[dlock.LockLost] = []
-    signalled: list[tuple[str, str]] = []
-
-    def receiver(sender, name, strategy, reason, **kwargs):
-        signalled.append((name, strategy))
-
-    signals.lock_lost.connect(receiver)
-    try:
-        lk = mlock("victim", on_lost=lost.append)
-        lk.acquire()
-        kill(holder_id("victim"))
-        # The server freed it at once: another holder gets it.
-        assert try_once("victim") is True
-        # The watcher notices the closed connection without a statement of ours.
-        wait_until(lambda: lk.lost, timeout=30)
-        assert len(lost) == 1 and isinstance(lost[0], dlock.LockLost)
-        assert signalled == [("lock:victim", "advisory")]
-        assert not lk.held() and not lk.owned()
-        with pytest.raises(dlock.LockLost):
-            lk.release()
-        with lk:  # the same holder starts again on a new connection
-            assert lk.owned()
-    finally:
-        signals.lock_lost.disconnect(receiver)
-
-
-def test_loss_found_when_leaving_the_block_without_the_watcher():
-    lk = mlock("quiet")
-    with pytest.raises(dlock.LockLost), lk:
-        session = sessions.find(DB, lk.token)
-        assert session is not None
-        with session.mutex:  # keep the watcher away, as if it had not looked yet
-            kill(session.backend_pid)
-            wait_until(lambda: holder_id("quiet") is None)
-    assert try_once("quiet") is True
-
-
-def test_release_behind_our_back_is_never_ignored():
-    lk = mlock("unlocked")
-    lk.acquire()
-    session = sessions.find(DB, lk.token)
-    assert isinstance(session, mysql.MySQLSession)
-    with session.mutex, session.link.raw.cursor() as cur:
-        cur.execute("SELECT RELEASE_ALL_LOCKS()")
-    assert not lk.owned()
-    with pytest.raises(dlock.LockLost):
-        lk.release()
-
-
-def test_a_switched_server_connection_is_refused():
-    keep = mlock("kept")
-    keep.acquire()
-    session = sessions.find(DB, keep.token)
-    assert session is not None
-    session.backend_pid = -1  # as if a proxy had moved us to another connection
-    with pytest.raises(dlock.DLockError, match="proxy"):
-        mlock("next").acquire(timeout=0)
-    assert keep.lost
-    with pytest.raises(dlock.LockLost):
-        keep.release()
-    assert try_once("kept") is True and try_once("next") is True
-
-
-def test_a_thread_that_ends_holding_frees_its_locks():
-    in_thread(lambda: mlock("leaked").acquire())
-    gc.collect()
-    wait_until(lambda: holder_id("leaked") is None, timeout=30)
-    assert try_once("leaked") is True
-
-
-def _hold_forever(ready_path: str) -> None:
-    mlock("crash").acquire()
-    with open(ready_path, "w") as f:
-        f.write(str(os.getpid()))
-    threading.Event().wait(600)
-
-
-def test_sigkill_of_the_holder_process_frees_the_lock_at_once(tmp_path):
-    ready = tmp_path / "ready"
-    proc = procs.start(_hold_forever, str(ready))
-    try:
-        wait_until(ready.exists, timeout=60)
-        assert mlock("crash").locked() and try_once("crash") is False
-        box: dict[str, bool] = {}
-
-        def waiter() -> None:
-            lk = mlock("crash")
-            box["got"] = lk.acquire(timeout=60)
-            if box["got"]:
-                lk.release()
-            connections.close_all()
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        wait_until(lambda: waiting("crash") == 1)
-        os.kill(proc.pid, signal.SIGKILL)
-        thread.join(60)
-        assert box == {"got": True}
-    finally:
-        proc.kill()
-        proc.join(10)
 
 
 # -- refused before any SQL ------------------------------------------------------------

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import threading
 
 import pytest
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 
@@ -17,8 +14,7 @@ from django_dlock.keys import hash32, make_key, pg_locks_ids
 from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.connection import close_private_connections
 
-from . import procs
-from .helpers import in_thread, run_threads, wait_until
+from .helpers import in_thread, run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -145,17 +141,6 @@ def test_rolled_back_savepoint_ends_the_holding():
     assert other_try("sp") is True
 
 
-def test_reentrancy_within_a_transaction():
-    with transaction.atomic():
-        outer = dlock.lock("re", strategy=XACT)
-        with outer:
-            with dlock.lock("re", strategy=XACT) as inner:
-                assert inner.held()
-            assert outer.held()
-        with pytest.raises(dlock.LockReentrantError), outer:
-            dlock.lock("re", strategy=XACT, reentrant=False).acquire()
-
-
 def test_timeout_inside_an_outer_atomic_leaves_it_usable_and_lock_timeout_unchanged():
     from django_dlock.models import Lock as LockRow
 
@@ -180,36 +165,6 @@ def test_timeout_inside_an_outer_atomic_leaves_it_usable_and_lock_timeout_unchan
         names, timeouts = in_thread(work)
     assert names == ["data:after", "data:before"]
     assert timeouts == ["7s", "7s"]
-
-
-def test_a_wait_is_handed_over_at_commit():
-    go = threading.Event()
-    holding = threading.Event()
-
-    def holder() -> None:
-        with transaction.atomic():
-            dlock.lock("handoff", strategy=XACT).acquire()
-            holding.set()
-            go.wait(30)
-        connections.close_all()
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert holding.wait(30)
-    result: dict[str, bool] = {}
-
-    def waiter() -> None:
-        with transaction.atomic():
-            result["got"] = dlock.lock("handoff", strategy=XACT).acquire(timeout=60)
-        connections.close_all()
-
-    waiting = threading.Thread(target=waiter)
-    waiting.start()
-    wait_until(lambda: len(pg_locks("handoff", granted=False)) == 1)
-    go.set()
-    thread.join(30)
-    waiting.join(60)
-    assert result == {"got": True}
 
 
 def test_shared_and_exclusive():
@@ -343,57 +298,6 @@ def test_lock_and_atomic_as_a_decorator():
 # -- concurrency -----------------------------------------------------------------------
 
 
-def test_threads_exclude_each_other(tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    run_threads(_file_worker, [(counter.path, 40)] * 6)
-    assert counter.read() == 240
-
-
-def _file_worker(counter_path: str, iterations: int) -> None:
-    counter = procs.FileCounter(counter_path)
-    for _ in range(iterations):
-        with dlock.lock_and_atomic("counter", strategy=XACT, timeout=120):
-            counter.increment(pause=0.0002)
-
-
-@pytest.mark.slow
-def test_processes_exclude_each_other(tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    procs.run_all(_file_worker, [(counter.path, 200)] * 8)
-    assert counter.read() == 8 * 200
-
-
-def test_asyncio_tasks_with_their_own_transactions_exclude_each_other():
-    state = {"counter": 0, "inside": 0, "overlaps": 0}
-
-    def critical() -> None:
-        state["inside"] += 1
-        state["overlaps"] += state["inside"] > 1
-        value = state["counter"]
-        threading.Event().wait(0.001)
-        state["counter"] = value + 1
-        state["inside"] -= 1
-
-    def in_transaction() -> None:
-        try:
-            with dlock.lock_and_atomic("atasks", strategy=XACT, timeout=60):
-                critical()
-        finally:
-            connections.close_all()
-
-    async def task() -> None:
-        for _ in range(5):
-            await sync_to_async(in_transaction, thread_sensitive=False)()
-
-    async def main() -> None:
-        await asyncio.gather(*(task() for _ in range(6)))
-
-    asyncio.run(main())
-    assert state == {"counter": 30, "inside": 0, "overlaps": 0}
-
-
 def test_async_with_inside_a_sync_transaction_and_tasks_sharing_it():
     # An async function nested in a sync transaction (async_to_sync) locks in
     # that transaction; two of its tasks still exclude each other.
@@ -444,37 +348,3 @@ def test_pure_async_code_has_no_transaction():
 
 
 # -- faults ----------------------------------------------------------------------------
-
-
-def _hold_in_transaction(ready_path: str) -> None:
-    import time
-
-    with transaction.atomic():
-        dlock.lock("crash", strategy=XACT).acquire()
-        with open(ready_path, "w") as f:
-            f.write("held")
-        time.sleep(600)
-
-
-def test_sigkill_of_the_holder_frees_the_lock(tmp_path):
-    ready = tmp_path / "ready"
-    proc = procs.start(_hold_in_transaction, str(ready))
-    try:
-        wait_until(ready.exists, timeout=60)
-        assert other_try("crash") is False
-        result: dict[str, bool] = {}
-
-        def waiter() -> None:
-            with transaction.atomic():
-                result["got"] = dlock.lock("crash", strategy=XACT).acquire(timeout=60)
-            connections.close_all()
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        wait_until(lambda: len(pg_locks("crash", granted=False)) == 1)
-        os.kill(proc.pid, signal.SIGKILL)
-        thread.join(60)
-        assert result == {"got": True}
-    finally:
-        proc.kill()
-        proc.join(10)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import threading
 import time
 
 import pytest
@@ -32,51 +31,6 @@ def try_once(key, alias, **options):
         return False
 
     return in_thread(attempt)
-
-
-def test_acquire_release_and_state(alias):
-    lk = dlock.lock("job", using=alias, ttl=30)
-    assert not lk.locked()
-    assert lk.acquire(timeout=0) is True
-    assert lk.locked() and lk.owned() and lk.held()
-    assert lk.name == "lock:job"
-    token, fence = row(alias, "lock:job")
-    assert token == lk.token and fence == lk.fence
-    assert LockRow.objects.using(alias).held().filter(name="lock:job").exists()
-    assert try_once("job", alias) is False
-    lk.release()
-    assert not lk.locked() and not lk.owned() and lk.fence is None
-    assert LockRow.objects.using(alias).expired().filter(name="lock:job").exists()
-    assert try_once("job", alias) is True
-
-
-def test_context_manager_raises_lock_timeout(alias):
-    with dlock.lock("busy", using=alias):
-        with pytest.raises(dlock.LockTimeout) as info:
-            in_thread(lambda: dlock.lock("busy", using=alias, timeout=0).__enter__())
-        assert isinstance(info.value, TimeoutError)
-
-
-def test_blocking_acquire_waits_for_release(alias):
-    holder = dlock.lock("handoff", using=alias)
-    holder.acquire()
-    got = threading.Event()
-
-    def waiter():
-        with dlock.lock("handoff", using=alias, timeout=30, retry_interval=0.01):
-            got.set()
-
-    thread = threading.Thread(target=lambda: (waiter(), connections.close_all()))
-    thread.start()
-    assert not got.wait(0.3)  # still held
-    holder.release()
-    thread.join(30)
-    assert got.is_set()
-
-
-def test_timeout_gives_up_and_leaves_nothing(alias):
-    with dlock.lock("held", using=alias):
-        assert in_thread(lambda: dlock.lock("held", using=alias).acquire(timeout=0.2)) is False
 
 
 def test_expired_lease_is_taken_over_with_a_higher_fence(alias):
@@ -165,26 +119,6 @@ def test_fencing_strictly_increases_across_release_takeover_and_cleanup(alias):
     assert len(fences) == 1004
 
 
-def test_reentrancy_counts_per_thread(alias):
-    outer = dlock.lock("re", using=alias)
-    with outer:
-        fence = outer.fence
-        with dlock.lock("re", using=alias) as inner:  # another Lock object, same holder
-            assert inner.fence == fence
-            with inner:
-                pass
-        assert outer.owned()
-        assert try_once("re", alias) is False  # still held after inner exits
-    assert try_once("re", alias) is True
-
-
-def test_reentrant_false_raises(alias):
-    with dlock.lock("strict", using=alias):
-        with pytest.raises(dlock.LockReentrantError):
-            dlock.lock("strict", using=alias, reentrant=False).acquire()
-        assert dlock.lock("strict", using=alias).owned()
-
-
 def test_renewal_keeps_the_lease(alias):
     lk = dlock.lock("renewed", using=alias, ttl=0.6, renew=True)
     with lk:
@@ -229,35 +163,6 @@ def test_body_exception_is_not_hidden_by_a_lost_lock(alias):
         expire_now(alias, "lock:masked")
         try_once("masked", alias)
         raise KeyError("body")
-
-
-def test_many_keys_all_or_none(alias):
-    with dlock.lock("b", using=alias):
-        both = dlock.lock(["a", "b"], using=alias)
-        assert in_thread(lambda: both.acquire(timeout=0)) is False
-        assert not dlock.lock("a", using=alias).locked()  # "a" was given back
-    with dlock.lock(["b", "a", "a"], using=alias) as lk:
-        assert list(lk.fences) == ["lock:a", "lock:b"]
-        assert dlock.lock("a", using=alias).locked() and dlock.lock("b", using=alias).locked()
-        with pytest.raises(dlock.DLockError, match="fences"):
-            _ = lk.fence
-
-
-def test_many_keys_in_opposite_orders_do_not_deadlock(alias):
-    def loop(keys):
-        for _ in range(30):
-            with dlock.lock(keys, using=alias, timeout=60, retry_interval=0.005):
-                pass
-
-    threads = [
-        threading.Thread(target=lambda k=k: (loop(k), connections.close_all()))
-        for k in (["x", "y"], ["y", "x"])
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
 
 
 def test_inside_atomic_the_lock_commits_on_its_own(alias):

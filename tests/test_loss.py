@@ -3,7 +3,7 @@
 | event | owned()/held() | extend() | release() | leaving the block | acquire() again |
 | lease expired, nobody took it | False | LockLost | LockLost | LockLost | contends afresh |
 | another holder took it | False | LockLost | LockLost | LockLost | contends afresh |
-| advisory session died | False | LockLost | LockLost | LockLost | contends afresh |
+| advisory session died (PG, MySQL) | False | LockLost | LockLost | LockLost | contends afresh |
 | lease force-released, taken | False (owned) | LockLost | LockLost | LockLost | contends afresh |
 
 A force-released lease is found out by the holder's next statement (owned(),
@@ -43,6 +43,8 @@ CASES = [
     ("lease", "mysql", "taken"),
     ("advisory", "default", "session died"),
     ("advisory", "default", "taken"),
+    ("advisory", "mysql", "session died"),
+    ("advisory", "mysql", "taken"),
     ("lease", "default", "force-released"),
     ("lease", "sqlite", "force-released"),
     ("lease", "mysql", "force-released"),
@@ -79,11 +81,14 @@ class Losses:
         self.callbacks.append(error)
 
 
-def _kill_session(lk) -> None:
-    session = sessions.find("default", lk.token)
+def _kill_session(lk, alias: str) -> None:
+    session = sessions.find(alias, lk.token)
     assert session is not None
-    with connections["default"].cursor() as cur:
-        cur.execute("SELECT pg_terminate_backend(%s)", [session.backend_pid])
+    with connections[alias].cursor() as cur:
+        if connections[alias].vendor == "postgresql":
+            cur.execute("SELECT pg_terminate_backend(%s)", [session.backend_pid])
+        else:
+            cur.execute("KILL %s", [session.backend_pid])
 
 
 class Taker:
@@ -129,7 +134,7 @@ def _lose(lk, key, alias, strategy, state, taker):
         if state == "taken":
             taker.take(key, alias, strategy)
     else:
-        _kill_session(lk)
+        _kill_session(lk, alias)
         # The session watcher notices the closed connection on its own.
         wait_until(lambda: lk.lost, timeout=30)
         if state == "taken":

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
 import threading
 
 import pytest
-from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 
 import django_dlock as dlock
 from django_dlock.strategies.connection import close_private_connections
 
-from . import procs
-from .helpers import in_thread, run_threads, wait_until
+from .helpers import in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -108,56 +103,6 @@ def test_explicit_release_is_an_error_and_the_holding_ends_with_the_transaction(
         assert other_try("r", db) is False
 
 
-def test_timeout_inside_an_outer_atomic_leaves_it_usable(db):
-    from django_dlock.models import Lock as LockRow
-
-    with transaction.atomic(using=db):
-        dlock.lock("busy", strategy=ROW, using=db).acquire()
-
-        def work() -> list[str]:
-            with transaction.atomic(using=db):
-                LockRow.objects.using(db).create(name="data:1", expire_at="2000-01-01T00:00:00Z")
-                with pytest.raises(dlock.LockTimeout):
-                    dlock.lock("busy", strategy=ROW, using=db, timeout=1.2).__enter__()
-                LockRow.objects.using(db).create(name="data:2", expire_at="2000-01-01T00:00:00Z")
-            found = LockRow.objects.using(db).filter(name__startswith="data:")
-            return sorted(found.values_list("name", flat=True))
-
-        assert in_thread(work) == ["data:1", "data:2"]
-
-
-@pytest.mark.parametrize("timeout", [60, None], ids=["timeout", "forever"])
-def test_a_wait_is_handed_over_at_commit(db, timeout):
-    go, holding = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with transaction.atomic(using=db):
-            dlock.lock("handoff", strategy=ROW, using=db).acquire()
-            holding.set()
-            go.wait(30)
-        connections.close_all()
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert holding.wait(30)
-    result: dict[str, bool] = {}
-
-    def waiter() -> None:
-        with transaction.atomic(using=db):
-            lk = dlock.lock("handoff", strategy=ROW, using=db)
-            result["got"] = lk.acquire(timeout=timeout)
-        connections.close_all()
-
-    waiting = threading.Thread(target=waiter)
-    waiting.start()
-    threading.Event().wait(0.5)
-    assert "got" not in result
-    go.set()
-    thread.join(30)
-    waiting.join(60)
-    assert result == {"got": True}
-
-
 def test_a_row_deleted_while_waiting_is_made_again(db):
     from django_dlock.models import Lock as LockRow
 
@@ -193,30 +138,6 @@ def test_a_row_deleted_while_waiting_is_made_again(db):
     assert result == {"got": True, "blocks others": True}
 
 
-def test_fences(db):
-    fences = []
-    for _ in range(5):
-        with transaction.atomic(using=db), dlock.lock("f", strategy=ROW, using=db) as lk:
-            fences.append(lk.fence)
-    if db == "default":  # nextval, taken once the row is locked
-        assert all(a < b for a, b in zip(fences, fences[1:], strict=False))
-    else:  # a number in the row would be rolled back with the transaction
-        assert fences == [None] * 5
-
-
-def test_many_keys_all_or_none(db):
-    with transaction.atomic(using=db):
-        dlock.lock("b", strategy=ROW, using=db).acquire()
-
-        def both() -> bool:
-            with transaction.atomic(using=db):
-                return dlock.lock(["a", "b"], strategy=ROW, using=db).acquire(timeout=0)
-
-        assert in_thread(both) is False
-        with dlock.lock(["a", "b"], strategy=ROW, using=db):  # same holder: re-entry of b
-            assert other_try("a", db) is False
-
-
 def test_inspection_holds_nothing(db):
     lk = dlock.lock("look", strategy=ROW, using=db)
     with transaction.atomic(using=db):
@@ -238,92 +159,3 @@ def test_check_e011_row_needs_row_locks():
 
 
 # -- concurrency -----------------------------------------------------------------------
-
-
-def _db_worker(alias: str, iterations: int) -> None:
-    """Read-modify-write of a database counter under the row lock."""
-    from django_dlock.models import Lock as LockRow
-
-    counter = LockRow.objects.using(alias)
-    for _ in range(iterations):
-        with dlock.lock_and_atomic("counter", strategy=ROW, using=alias, timeout=120):
-            value = counter.get(name="data:counter").fence
-            counter.filter(name="data:counter").update(fence=value + 1)
-
-
-def _file_worker(alias: str, counter_path: str, iterations: int) -> None:
-    counter = procs.FileCounter(counter_path)
-    for _ in range(iterations):
-        with dlock.lock_and_atomic("counter", strategy=ROW, using=alias, timeout=120):
-            counter.increment(pause=0.0002)
-
-
-def test_threads_exclude_each_other(db):
-    from django_dlock.models import Lock as LockRow
-
-    LockRow.objects.using(db).create(name="data:counter", fence=0, expire_at="2000-01-01T00:00:00Z")
-    run_threads(_db_worker, [(db, 25)] * 6)
-    assert LockRow.objects.using(db).get(name="data:counter").fence == 150
-
-
-@pytest.mark.slow
-def test_processes_exclude_each_other(db, tmp_path):
-    counter = procs.FileCounter(str(tmp_path / "counter"))
-    counter.reset()
-    procs.run_all(_file_worker, [(db, counter.path, 200)] * 8)
-    assert counter.read() == 8 * 200
-
-
-def test_asyncio_tasks_exclude_each_other(db):
-    state = {"counter": 0, "inside": 0, "overlaps": 0}
-
-    def in_transaction() -> None:
-        try:
-            with dlock.lock_and_atomic("atasks", strategy=ROW, using=db, timeout=60):
-                state["inside"] += 1
-                state["overlaps"] += state["inside"] > 1
-                value = state["counter"]
-                threading.Event().wait(0.001)
-                state["counter"] = value + 1
-                state["inside"] -= 1
-        finally:
-            close_private_connections()
-            connections.close_all()
-
-    async def task() -> None:
-        for _ in range(5):
-            await sync_to_async(in_transaction, thread_sensitive=False)()
-
-    async def main() -> None:
-        await asyncio.gather(*(task() for _ in range(6)))
-
-    asyncio.run(main())
-    assert state == {"counter": 30, "inside": 0, "overlaps": 0}
-
-
-def _hold_in_transaction(alias: str, ready_path: str) -> None:
-    import time
-
-    with transaction.atomic(using=alias):
-        dlock.lock("crash", strategy=ROW, using=alias).acquire()
-        with open(ready_path, "w") as f:
-            f.write("held")
-        time.sleep(600)
-
-
-def test_sigkill_of_the_holder_frees_the_row(db, tmp_path):
-    ready = tmp_path / "ready"
-    proc = procs.start(_hold_in_transaction, db, str(ready))
-    try:
-        wait_until(ready.exists, timeout=60)
-        assert other_try("crash", db) is False
-        os.kill(proc.pid, signal.SIGKILL)
-
-        def waiter() -> bool:
-            with transaction.atomic(using=db):
-                return dlock.lock("crash", strategy=ROW, using=db).acquire(timeout=60)
-
-        assert in_thread(waiter) is True
-    finally:
-        proc.kill()
-        proc.join(10)
