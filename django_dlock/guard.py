@@ -38,13 +38,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, Error, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import holdings
 from django_dlock.exceptions import GuardNotSupported, LockLost
 from django_dlock.holdings import Holding
-from django_dlock.strategies.base import Guards, Request
+from django_dlock.strategies.base import Guards, Request, guards
 
 __all__ = ["guarded", "pinned", "same_database"]
 
@@ -65,7 +65,7 @@ def guarded(held: Sequence[Holding], using: str | None) -> Iterator[None]:
         with transaction.atomic(using=using):
             yield
         return
-    if not isinstance(strategy, Guards):
+    if not guards(strategy):
         raise GuardNotSupported(
             f"{names} uses the {strategy.name} strategy, whose lock is not kept "
             "by a database transaction (an advisory session lock lives on a session of "
@@ -106,15 +106,28 @@ def pinned(
     """
     using = reqs[0].alias
     connection = connections[using]
+    # PostgreSQL on psycopg 3, a transaction of the guard's own: the bound
+    # goes with BEGIN and the check with COMMIT, no round trip of their own
+    merged = len(reqs) == 1 and _merges(connection)
     try:
-        with transaction.atomic(using=using), _bounded(connection, reqs[0].ttl):
+        with transaction.atomic(using=using), _bounded(connection, reqs[0].ttl, merged):
             yield
+            if connection.needs_rollback:
+                return  # the block asked for a rollback: nothing will commit
+            if merged and _pinned_at_commit(connection, strategy, reqs[0]):
+                return
             for req in reqs:
                 if not strategy.pin(connection, req):
                     raise LockLost(
                         f"the guarded writes under {names} were rolled back: "
                         f"{req.key.name!r} was lost ({lost(req)})"
                     )
+    except _Lost as exc:
+        req = exc.args[0]
+        raise LockLost(
+            f"the guarded writes under {names} were rolled back: "
+            f"{req.key.name!r} was lost ({lost(req)})"
+        ) from None
     except DatabaseError as exc:
         if not _session_ended(connection, exc):
             raise
@@ -156,13 +169,21 @@ def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _bounded(connection: BaseDatabaseWrapper, seconds: float) -> Iterator[None]:
-    """End the session if it stays idle ``seconds`` inside the transaction."""
+def _bounded(connection: BaseDatabaseWrapper, seconds: float, merged: bool) -> Iterator[None]:
+    """End the session if it stays idle ``seconds`` inside the transaction.
+
+    ``merged`` (see :func:`_merges`): the bound is sent with the BEGIN of the
+    transaction, in one round trip.
+    """
     vendor = connection.vendor
     if vendor == "postgresql":
-        with connection.cursor() as cur:
-            ms = max(1, math.ceil(seconds * 1000))
-            cur.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+        ms = max(1, math.ceil(seconds * 1000))
+        bound = f"SET LOCAL idle_in_transaction_session_timeout = {ms}"
+        if merged:
+            _begin_with(connection, bound)
+        else:
+            with connection.cursor() as cur:
+                cur.execute(bound)
         yield
         return
     if vendor != "mysql":
@@ -176,9 +197,83 @@ def _bounded(connection: BaseDatabaseWrapper, seconds: float) -> Iterator[None]:
     try:
         yield
     finally:
-        if connection.connection is not None and connection.is_usable():
-            with connection.cursor() as cur:
+        if connection.connection is not None:
+            # a session the server ended is closed by Django at the failed
+            # statement; any other failure here is the session's, not the guard's
+            with contextlib.suppress(Error), connection.cursor() as cur:
                 cur.execute("SET SESSION wait_timeout = @dlock_wait_timeout")
+
+
+# -- PostgreSQL: the guard's statements ride on BEGIN and COMMIT ---------------------------
+
+
+class _Lost(Exception):
+    """The merged check found the holding lost (carries its request)."""
+
+
+def _merges(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the guard may send its bound with BEGIN and its check with
+    COMMIT: PostgreSQL on psycopg 3, and the guard opens the transaction (it
+    is not inside another ``atomic`` block, whose commit is not the guard's)."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return False
+    from django_dlock.strategies.connection import psycopg3
+
+    return psycopg3()
+
+
+def _begin_with(connection: BaseDatabaseWrapper, statement: str) -> None:
+    """Open the transaction Django's ``atomic`` just asked for, and run
+    ``statement`` in it, in one round trip (psycopg would send BEGIN alone)."""
+    import psycopg
+    from psycopg import pq
+
+    raw = connection.connection
+    if raw.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+        with connection.cursor() as cur:  # already open: nothing to merge
+            cur.execute(statement)
+        return
+    begin = ["BEGIN"]  # what psycopg would send, from its public settings
+    if raw.isolation_level is not None:
+        begin.append("ISOLATION LEVEL " + raw.isolation_level.name.replace("_", " "))
+    if raw.read_only is not None:
+        begin.append("READ ONLY" if raw.read_only else "READ WRITE")
+    if raw.deferrable is not None:
+        begin.append("DEFERRABLE" if raw.deferrable else "NOT DEFERRABLE")
+    sql = f"{' '.join(begin)}; {statement}".encode()
+    with connection.wrap_database_errors, raw.lock:
+        result = raw.pgconn.exec_(sql)
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            raise psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
+
+
+def _pinned_at_commit(connection: BaseDatabaseWrapper, strategy: Guards, req: Request) -> bool:
+    """Check ``req``'s holding and COMMIT in one round trip; ``False`` when
+    the transaction cannot be committed here (Django will roll it back, or
+    raise why), so the caller checks the usual way.
+
+    The check divides by what the pin finds: nothing (the lease is lost) is
+    a division by zero, which aborts the transaction before COMMIT runs. The
+    server runs both without waiting for the client, so a holder frozen at
+    this point never keeps the lease row locked.
+    """
+    from psycopg import ClientCursor, pq
+
+    from django_dlock.strategies._pg import sqlstate
+
+    raw = connection.connection
+    if raw.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+        return False  # a failed statement: Django rolls back, the usual check says why
+    query, params = strategy.pin_query(connection, req)
+    sql = f"SELECT 1 / coalesce(({query}), 0); COMMIT"
+    try:
+        with connection.wrap_database_errors, ClientCursor(raw) as cur:
+            cur.execute(sql, params)
+    except DatabaseError as exc:
+        if sqlstate(exc) == "22012":  # no row: not ours any more
+            raise _Lost(req) from exc
+        raise
+    return True
 
 
 def _ended(holding: Holding) -> LockLost:

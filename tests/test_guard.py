@@ -94,6 +94,42 @@ def test_guarded_writes_commit_while_the_lock_is_held(alias):
         assert lk.owned()
 
 
+def test_a_guarded_block_marked_for_rollback_commits_nothing(alias):
+    # On PostgreSQL the check and COMMIT go out together: a block that asked
+    # for a rollback (Django's set_rollback) must never reach that COMMIT.
+    with dlock.lock("guard:rollback", using=alias) as lk:
+        with lk.guard():
+            _write(alias, "A")
+            transaction.set_rollback(True, using=alias)
+        assert _read(alias) == "-"
+        assert lk.owned()
+        with lk.guard():  # the next guarded block on the connection is fine
+            _write(alias, "B")
+        assert _read(alias) == "B"
+
+
+def test_a_guard_keeps_the_isolation_level_of_the_connection(pg):
+    # The guard opens the transaction itself (with its idle bound): the BEGIN
+    # is the one the connection's settings ask for.
+    connection = connections[pg]
+    connection.ensure_connection()
+    raw = connection.connection
+    import psycopg
+
+    raw.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+    try:
+        with dlock.lock("guard:iso", using=pg) as lk, lk.guard():
+            with connection.cursor() as cur:
+                cur.execute("SHOW transaction_isolation")
+                level = cur.fetchone()[0]
+                cur.execute("SHOW idle_in_transaction_session_timeout")
+                bound = cur.fetchone()[0]
+    finally:
+        raw.isolation_level = None
+    assert level == "serializable"
+    assert bound != "0"  # the idle bound is set in the same transaction
+
+
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_lost_lease_rolls_the_guarded_writes_back(alias, loss):
     lk = dlock.lock("guard:lost", using=alias, ttl=30)

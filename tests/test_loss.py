@@ -120,7 +120,7 @@ class Taker:
             self.thread.join(30)
 
 
-def _lose(lk, key, alias, strategy, state, taker):
+def _lose(lk, key, alias, strategy, state, taker, losses):
     """Bring the lock held by ``lk`` into ``state``."""
     if state == "force-released":
         # as an operator does it (the admin action, manage.py dlock_release),
@@ -135,8 +135,9 @@ def _lose(lk, key, alias, strategy, state, taker):
             taker.take(key, alias, strategy)
     else:
         _kill_session(lk, alias)
-        # The session watcher notices the closed connection on its own.
-        wait_until(lambda: lk.lost, timeout=30)
+        # The session watcher notices the closed connection on its own, and
+        # reports it (lost is set first, then the signal and the callback).
+        wait_until(lambda: lk.lost and bool(losses.callbacks), timeout=30)
         if state == "taken":
             taker.take(key, alias, strategy)
 
@@ -153,11 +154,11 @@ def test_loss_table(strategy, alias, state, operation):
         lk = dlock.lock(key, using=alias, strategy=strategy, ttl=ttl, on_lost=losses.on_lost)
         if operation == "leave":
             with pytest.raises(dlock.LockLost), lk:
-                _lose(lk, key, alias, strategy, state, taker)
+                _lose(lk, key, alias, strategy, state, taker, losses)
         else:
             assert lk.acquire(timeout=0)
             first_fence = lk.fence
-            _lose(lk, key, alias, strategy, state, taker)
+            _lose(lk, key, alias, strategy, state, taker, losses)
             if operation == "owned":
                 assert lk.owned() is False
                 assert lk.held() is False

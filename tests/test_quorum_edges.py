@@ -22,7 +22,7 @@ from django_dlock.signals import lock_lost
 from django_dlock.strategies import quorum
 from django_dlock.strategies.quorum import rounds as workers
 
-from .helpers import row
+from .helpers import row, wait_until
 from .test_quorum import QUORUM, bring_up, eventually, take_down
 
 DATABASES = ["default", *QUORUM]
@@ -243,6 +243,16 @@ def test_a_holding_lost_to_unreachable_databases_says_so(outage):
 def test_a_holding_taken_away_on_a_majority_says_so():
     lk = dlock.lock("q-taken", using=QUORUM, ttl=30)
     lk.acquire()
+
+    def leased(alias: str) -> bool:
+        with connections[alias].cursor() as cur:
+            cur.execute("SELECT token FROM django_dlock_lock WHERE name = 'lock:q-taken'")
+            found = cur.fetchone()
+        return found is not None and found[0] != ""
+
+    # acquire() returns once a majority has the lease; the third database's
+    # statement may still be on its way: take it away only once all three have it
+    wait_until(lambda: all(leased(alias) for alias in ("q1", "q2", "q3")))
     for alias in ("q1", "q2"):
         with connections[alias].cursor() as cur:
             cur.execute("UPDATE django_dlock_lock SET token = '' WHERE name = 'lock:q-taken'")

@@ -160,11 +160,11 @@ class Leadership:
         """
         from django_dlock.exceptions import GuardNotSupported
         from django_dlock.guard import pinned, same_database
-        from django_dlock.strategies.base import Guards
+        from django_dlock.strategies.base import guards
 
         names = repr(f"leader:{self.name}")
         strategy, req = self._pin or (None, None)
-        if not isinstance(strategy, Guards) or req is None:
+        if not guards(strategy) or req is None:
             raise GuardNotSupported(
                 f"the leadership of {self.name!r} is not kept by a transaction of this "
                 "process (an election on a quorum of databases, or a target isolated in a "

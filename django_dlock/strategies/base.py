@@ -9,7 +9,7 @@ deadline for poolers in :mod:`django_dlock.strategies.connection`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -65,6 +65,25 @@ class Guards(Protocol):
         nobody can take it over until that transaction ends; ``False`` if
         it is lost."""
         ...
+
+    def pin_query(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[str, list[str]]:
+        """:meth:`pin` as one ``SELECT`` (PostgreSQL, MySQL/MariaDB) and its
+        parameters: a row while ``req``'s holding is the caller's, locked
+        against a take-over until the transaction ends; no row if lost."""
+        ...
+
+
+_GUARDS: dict[type, bool] = {}
+
+
+def guards(strategy: object) -> TypeGuard[Guards]:
+    """Whether ``strategy`` implements :class:`Guards` (answered once per class:
+    a runtime protocol check is slow enough to show in a guarded write)."""
+    kind = type(strategy)
+    found = _GUARDS.get(kind)
+    if found is None:
+        found = _GUARDS[kind] = isinstance(strategy, Guards)
+    return found
 
 
 @runtime_checkable

@@ -54,9 +54,11 @@ def contenders(alias: str) -> dict[str, Callable[[], None]]:
 INTRO = [
     "One single-row `UPDATE` committed in `transaction.atomic`, against the same",
     "`UPDATE` in `lk.guard()` (the lock held throughout), in turn, round after round,",
-    "on each database ([safe writes](safe-writes.md)). A guard adds two statements",
-    "on PostgreSQL (the idle bound, the check at commit) and three on MySQL/MariaDB",
-    "(the session's `wait_timeout` set and restored, the check); on SQLite, one.",
+    "on each database ([safe writes](safe-writes.md)). On PostgreSQL a guard adds",
+    "no round trip (its idle bound goes with `BEGIN`, its check with `COMMIT`), but",
+    "the server runs the check (a row lookup that locks the lease row); on",
+    "MySQL/MariaDB it adds three statements (the session's `wait_timeout` set and",
+    "restored, the check), on SQLite one.",
 ]
 
 

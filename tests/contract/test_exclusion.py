@@ -140,7 +140,7 @@ def _db_worker(cell_id: str, iterations: int) -> None:
 #: writes while another connection writes fails with "database is locked" at
 #: once (SQLite will not wait where waiting could deadlock), lock or no lock.
 #: Django's ``"transaction_mode": "IMMEDIATE"`` option (Django 5.1+) avoids it.
-WRITERS = params([cell for cell in CELLS if cell.vendor != "sqlite"])
+WRITERS = params([cell for cell in CELLS if cell.alias != "sqlite"])
 
 
 @pytest.mark.parametrize("cell", WRITERS)

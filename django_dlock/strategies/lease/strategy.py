@@ -347,19 +347,28 @@ class LeaseStrategy:
     def pin(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
         """In the caller's transaction: the lease is still ours, and stays so
         until the transaction ends (a take-over waits for the row)."""
-        now = dbclock.now_sql(connection)
-        mine = f"name = %s AND token = %s AND expire_at > {now}"
         if connection.vendor == "sqlite":
             # one writer at a time: this write keeps every take-over out
-            sql = f"UPDATE {TABLE} SET expire_at = expire_at WHERE {mine}"
-        else:
-            share = "FOR SHARE" if connection.vendor == "postgresql" else "LOCK IN SHARE MODE"
-            sql = f"SELECT 1 FROM {TABLE} WHERE {mine} {share}"
-        with connection.cursor() as cur:
-            cur.execute(sql, [req.key.name, req.token])
-            if connection.vendor == "sqlite":
+            now = dbclock.now_sql(connection)
+            with connection.cursor() as cur:
+                cur.execute(
+                    f"UPDATE {TABLE} SET expire_at = expire_at "
+                    f"WHERE name = %s AND token = %s AND expire_at > {now}",
+                    [req.key.name, req.token],
+                )
                 return bool(cur.rowcount)
+        sql, params = self.pin_query(connection, req)
+        with connection.cursor() as cur:
+            cur.execute(sql, params)
             return cur.fetchone() is not None
+
+    def pin_query(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[str, list[str]]:
+        """The ``SELECT`` of :meth:`pin` on PostgreSQL and MySQL/MariaDB: one
+        row while the lease is ours, share-locked until the transaction ends."""
+        now = dbclock.now_sql(connection)
+        share = "FOR SHARE" if connection.vendor == "postgresql" else "LOCK IN SHARE MODE"
+        sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now} {share}"
+        return sql, [req.key.name, req.token]
 
     def loss_reason(self, req: Request) -> str:
         """Why ``req``'s lease is no longer the caller's, from what its row says now.
