@@ -118,12 +118,11 @@ def test_a_guard_keeps_the_isolation_level_of_the_connection(pg):
 
     raw.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
     try:
-        with dlock.lock("guard:iso", using=pg) as lk, lk.guard():
-            with connection.cursor() as cur:
-                cur.execute("SHOW transaction_isolation")
-                level = cur.fetchone()[0]
-                cur.execute("SHOW idle_in_transaction_session_timeout")
-                bound = cur.fetchone()[0]
+        with dlock.lock("guard:iso", using=pg) as lk, lk.guard(), connection.cursor() as cur:
+            cur.execute("SHOW transaction_isolation")
+            level = cur.fetchone()[0]
+            cur.execute("SHOW idle_in_transaction_session_timeout")
+            bound = cur.fetchone()[0]
     finally:
         raw.isolation_level = None
     assert level == "serializable"
@@ -334,6 +333,62 @@ def test_a_holder_frozen_with_its_lease_pinned_keeps_the_key_only_as_long_as_its
         assert not (folder / "outcome").exists()  # taken while the first is still frozen
     assert (folder / "outcome").read_text() != "committed"
     assert _read("default") == "B"
+
+
+def _paused_in_transaction(alias: str, strategy: str, folder: str) -> None:
+    """Take a transaction-scoped lock, write under its guard, wait (paused) for ``go``."""
+    base = Path(folder)
+    with transaction.atomic(using=alias):
+        lk = dlock.lock("guard:paused-txn", using=alias, strategy=strategy)
+        assert lk.acquire(timeout=10)
+        with lk.guard():
+            _write(alias, "A")
+            (base / "ready").write_text("ready")
+            while not (base / "go").exists():
+                time.sleep(0.02)
+    (base / "outcome").write_text("committed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "db"),
+    [("row", "default"), ("row", "mysql"), ("advisory_xact", "default")],
+    ids=["row-postgresql", "row-mariadb", "advisory_xact-postgresql"],
+)
+def test_a_frozen_holder_of_a_transaction_scoped_lock_keeps_it_and_nobody_writes_meanwhile(
+    strategy, db, tmp_path
+):
+    # row and advisory_xact: the lock is the guarded transaction's own. A
+    # frozen holder keeps it (there is no lease to run out): the next holder
+    # cannot get in, and the first one's writes commit when it resumes,
+    # before the next holder's.
+    _probe(db)
+    proc = procs.start(_paused_in_transaction, db, strategy, str(tmp_path))
+    wait_until(lambda: (tmp_path / "ready").exists(), timeout=60)
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    def next_holder(timeout: float) -> bool:
+        with transaction.atomic(using=db):
+            lk = dlock.lock("guard:paused-txn", using=db, strategy=strategy)
+            if not lk.acquire(timeout=timeout):
+                return False
+            with lk.guard():
+                _write(db, "B")
+            return True
+
+    try:
+        assert in_thread(next_holder, 1.5) is False  # frozen, it still holds the lock
+        assert _read(db) == "-"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        (tmp_path / "go").write_text("go")
+        proc.join(60)
+    assert proc.exitcode == 0
+    assert (tmp_path / "outcome").read_text() == "committed"
+    assert _read(db) == "A"
+    assert in_thread(next_holder, 10) is True
+    assert _read(db) == "B"
 
 
 # -- a leadership term -------------------------------------------------------------------
