@@ -245,3 +245,33 @@ def hold_task_forever(alias: str, marker: str, max_hold: float) -> None:
         with open(marker, "w") as f:
             f.write("acquired" if acquired else "skipped")
         time.sleep(3600)
+
+
+GUARDED_COUNTER = "dlock_guarded_counter"
+
+
+def count_guarded() -> None:
+    """A job that adds one to a counter in the database under its term's guard.
+
+    It reads the counter, works (sleeps: a freeze of the test lands here),
+    then writes the counter plus one, all in ``current_leadership().guard()``:
+    a run whose term ended before it could commit writes nothing. Records the
+    value it committed, or that the guard refused it.
+    """
+    from django_dlock.exceptions import LockLost
+    from django_dlock.leader import current_leadership
+
+    leadership = current_leadership()
+    assert leadership is not None
+    connection = connections[_alias()]
+    record: dict = {"term": leadership.term, "pid": os.getpid()}
+    try:
+        with leadership.guard(), connection.cursor() as cur:
+            cur.execute(f"SELECT n FROM {GUARDED_COUNTER} WHERE id = 1")
+            value = int(cur.fetchone()[0]) + 1
+            time.sleep(float(os.environ.get("DLOCK_TEST_JOB_SECONDS", "0.3")))
+            cur.execute(f"UPDATE {GUARDED_COUNTER} SET n = %s WHERE id = 1", [value])
+        record["committed"] = value
+    except LockLost as exc:
+        record["refused"] = str(exc)
+    _append(os.environ["DLOCK_TEST_RUNS"], record)

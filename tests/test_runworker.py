@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command, get_commands, load_command_class
 from django.core.management.base import CommandError
+from django.db import connections
 from django.test.utils import override_settings
 
 from django_dlock import checks, jobs
@@ -624,6 +625,49 @@ def test_a_frozen_leader_is_replaced_and_never_acts_with_its_old_term(alias, str
     check_fenced_runs(found)
     fenced = [r for r in found if r["ok_start"] and not r["ok_end"]]
     assert len(fenced) >= FREEZE_ROUNDS // 2, "the rounds during a job did not freeze a job"
+    assert all(w.stderr().count("Traceback") == 0 for w in workers), workers[0].stderr()
+
+
+@db
+@pytest.mark.parametrize("alias", ["default", "mysql"], ids=["postgresql", "mariadb"])
+def test_a_frozen_leaders_guarded_jobs_never_commit_after_its_successor_began(alias, tmp_path):
+    # Each job reads a counter, works, and writes it plus one under its term's
+    # guard. A leader frozen in the middle of a job resumes after a standby
+    # led: its write must not commit (it would lose the successor's updates).
+    from .jobs import GUARDED_COUNTER
+
+    with connections[alias].cursor() as cur:
+        cur.execute(f"DROP TABLE IF EXISTS {GUARDED_COUNTER}")
+        cur.execute(f"CREATE TABLE {GUARDED_COUNTER} (id INTEGER PRIMARY KEY, n INTEGER)")
+        cur.execute(f"INSERT INTO {GUARDED_COUNTER} (id, n) VALUES (1, 0)")
+    runs = str(tmp_path / "runs.jsonl")
+    args = [
+        "--job", "tests.jobs.count_guarded", "--interval", str(JOB_INTERVAL),
+        "--election", "frozen-guarded", "--using", alias, *FAST,
+    ]  # fmt: skip
+    env = {"DLOCK_TEST_ALIAS": alias, "DLOCK_TEST_JOB_SECONDS": str(JOB_SECONDS)}
+    workers = [Worker(*args, runs=runs, env=env) for _ in range(3)]
+    try:
+        wait_until(lambda: len(leaders(workers)) == 1, 60)
+        bound = LEASE + RETRY + SLACK
+        for _ in range(2):  # frozen in the middle of a job
+            freeze_once(workers, runs, True, bound, alias)
+    finally:
+        for worker in workers:
+            worker.signal(signal.SIGCONT)
+            worker.kill()
+    found = read_runs(runs)
+    committed = [r for r in found if "committed" in r]
+    refused = [r for r in found if "refused" in r]
+    # every committed run added one to what the previous one committed: no
+    # update was lost to a stale leader, and terms only grew
+    assert sorted(r["committed"] for r in committed) == list(range(1, len(committed) + 1))
+    by_value = sorted(committed, key=lambda r: r["committed"])
+    assert all(a["term"] <= b["term"] for a, b in zip(by_value, by_value[1:], strict=False))
+    with connections[alias].cursor() as cur:
+        cur.execute(f"SELECT n FROM {GUARDED_COUNTER} WHERE id = 1")
+        assert cur.fetchone()[0] == len(committed)
+    assert refused, "no frozen job was refused: the freezes missed the jobs"
     assert all(w.stderr().count("Traceback") == 0 for w in workers), workers[0].stderr()
 
 
