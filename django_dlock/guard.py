@@ -35,8 +35,14 @@ database file waiting until it resumes or dies.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import math
+import re
+import select
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from django.db import DatabaseError, Error, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -213,13 +219,18 @@ class _Lost(Exception):
 
 def _merges(connection: BaseDatabaseWrapper) -> bool:
     """Whether the guard may send its bound with BEGIN and its check with
-    COMMIT: PostgreSQL on psycopg 3, and the guard opens the transaction (it
-    is not inside another ``atomic`` block, whose commit is not the guard's)."""
+    COMMIT: PostgreSQL on psycopg 3 with a libpq that has pipeline mode
+    (14 and later), and the guard opens the transaction (it is not inside
+    another ``atomic`` block, whose commit is not the guard's)."""
     if connection.vendor != "postgresql" or connection.in_atomic_block:
         return False
     from django_dlock.strategies.connection import psycopg3
 
-    return psycopg3()
+    if not psycopg3():
+        return False
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
 
 
 def _begin_with(connection: BaseDatabaseWrapper, statement: str) -> None:
@@ -247,33 +258,158 @@ def _begin_with(connection: BaseDatabaseWrapper, statement: str) -> None:
             raise psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
 
 
+#: a step of the check's pipeline: ("query", sql, params), ("prepare", name, sql)
+#: or ("execute", name, params)
+_Step = tuple[str, bytes, Any]
+
+#: the names of the check statements prepared on each psycopg connection
+_PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+def _pipeline(pgconn: Any, steps: Sequence[_Step]) -> list[Any]:
+    """Send ``steps`` in libpq's pipeline mode, then a sync point: one round
+    trip. The result of each step (``None`` where none came: the connection
+    broke)."""
+    from psycopg import pq
+
+    pgconn.enter_pipeline_mode()
+    try:
+        for kind, first, second in steps:
+            if kind == "query":
+                pgconn.send_query_params(first, second)
+            elif kind == "prepare":
+                pgconn.send_prepare(first, second)
+            else:
+                pgconn.send_query_prepared(first, second)
+        pgconn.pipeline_sync()
+        results: list[Any] = []
+        for _ in steps:
+            found = None
+            while (result := _next_result(pgconn)) is not None:
+                found = result
+            results.append(found)
+            if pgconn.status == pq.ConnStatus.BAD:
+                return results + [None] * (len(steps) - len(results))
+        _next_result(pgconn)  # the sync point
+        return results
+    finally:
+        with contextlib.suppress(Exception):  # (a closed connection has no mode)
+            pgconn.exit_pipeline_mode()
+
+
+def _next_result(pgconn: Any) -> Any:
+    """libpq's next result, waited for with the GIL released (libpq's own
+    blocking wait keeps it: another thread of the process, perhaps the one
+    whose lock the check waits for, could not run meanwhile)."""
+    import psycopg
+    from psycopg import pq
+
+    while pgconn.is_busy() and pgconn.status != pq.ConnStatus.BAD:
+        select.select([pgconn.socket], [], [])
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError:
+            break  # the connection broke: the results say what came before
+    return pgconn.get_result()
+
+
+@functools.lru_cache(maxsize=64)
+def _check_statement(query: str) -> tuple[bytes, bytes]:
+    """The check of :func:`_pinned_at_commit` for a pin ``query`` (``%s``
+    parameters, numbered for libpq), and the name it is prepared under."""
+    numbered = iter(range(1, query.count("%s") + 1))
+    sql = re.sub("%s", lambda _: f"${next(numbered)}", f"SELECT 1 / coalesce(({query}), 0)")
+    encoded = sql.encode()
+    return encoded, b"dlock_check_" + hashlib.sha1(encoded).hexdigest()[:16].encode()
+
+
 def _pinned_at_commit(connection: BaseDatabaseWrapper, strategy: Guards, req: Request) -> bool:
     """Check ``req``'s holding and COMMIT in one round trip; ``False`` when
     the transaction cannot be committed here (Django will roll it back, or
     raise why), so the caller checks the usual way.
 
-    The check divides by what the pin finds: nothing (the lease is lost) is
-    a division by zero, which aborts the transaction before COMMIT runs. The
-    server runs both without waiting for the client, so a holder frozen at
-    this point never keeps the lease row locked.
-    """
-    from psycopg import ClientCursor, pq
+    The check and COMMIT go out together in libpq's pipeline mode; the check
+    divides by what the pin finds, so nothing (the lease is lost) is a
+    division by zero, which aborts the transaction: the server skips the
+    COMMIT. It runs both without waiting for the client, so a holder frozen
+    at this point never keeps the lease row locked.
 
-    from django_dlock.strategies._pg import sqlstate
+    Where the lock statements are prepared (a direct connection, see
+    :func:`~django_dlock.strategies.connection.execute`) the check is too,
+    once per session, inside a savepoint: psycopg deallocates a connection's
+    prepared statements after a rollback, and a check whose statement has
+    gone rolls back to the savepoint and prepares it again (one more round
+    trip) instead of aborting the transaction it guards.
+    """
+    from psycopg import pq
+
+    from django_dlock.strategies.connection import may_prepare
 
     raw = connection.connection
-    if raw.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+    pgconn = raw.pgconn
+    if pgconn.transaction_status != pq.TransactionStatus.INTRANS:
         return False  # a failed statement: Django rolls back, the usual check says why
     query, params = strategy.pin_query(connection, req)
-    sql = f"SELECT 1 / coalesce(({query}), 0); COMMIT"
-    try:
-        with connection.wrap_database_errors, ClientCursor(raw) as cur:
-            cur.execute(sql, params)
-    except DatabaseError as exc:
-        if sqlstate(exc) == "22012":  # no row: not ours any more
-            raise _Lost(req) from exc
-        raise
+    sql, name = _check_statement(query)
+    values: list[bytes | None] = [str(value).encode() for value in params]
+    commit: _Step = ("query", b"COMMIT", None)
+    with connection.wrap_database_errors, raw.lock:
+        if not may_prepare(connection):
+            _commit_results(raw, req, _pipeline(pgconn, [("query", sql, values), commit]))
+            return True
+        prepared = _PREPARED.setdefault(raw, set())
+        run: _Step = ("execute", name, values)
+        steps: list[_Step] = [("query", b"SAVEPOINT dlock_check", None)]
+        if name not in prepared:
+            steps.append(("prepare", name, sql))
+        steps += [run, ("query", b"RELEASE SAVEPOINT dlock_check", None), commit]
+        results = _pipeline(pgconn, steps)
+        first_error = next((code for r in results if (code := _sqlstate_of(r))), None)
+        if first_error in ("26000", "42P05"):
+            # gone (26000) or already there (42P05), not as this connection
+            # remembered: back to the savepoint, and the check as it is now
+            retry: list[_Step] = [("query", b"ROLLBACK TO SAVEPOINT dlock_check", None)]
+            if first_error == "26000":
+                retry.append(("prepare", name, sql))
+            results = _pipeline(pgconn, [*retry, run, commit])
+            prepared.add(name)
+        elif name not in prepared and _ok(results[1]):
+            prepared.add(name)  # (it stays on the session whatever the transaction does)
+        _commit_results(raw, req, results)
     return True
+
+
+def _ok(result: Any) -> bool:
+    from psycopg import pq
+
+    return result is not None and result.status in (
+        pq.ExecStatus.COMMAND_OK,
+        pq.ExecStatus.TUPLES_OK,
+    )
+
+
+def _sqlstate_of(result: Any) -> str | None:
+    from psycopg import pq
+
+    if result is None or result.status != pq.ExecStatus.FATAL_ERROR:
+        return None
+    code = result.error_field(pq.DiagnosticField.SQLSTATE)
+    return None if code is None else code.decode()
+
+
+def _commit_results(raw: Any, req: Request, results: list[Any]) -> None:
+    """Raise what the check's pipeline says went wrong (the first error)."""
+    import psycopg
+    from psycopg import pq
+
+    for result in results:
+        if result is None:
+            raise psycopg.OperationalError("the connection was lost at commit")
+        if result.status == pq.ExecStatus.FATAL_ERROR:
+            failed = psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
+            if _sqlstate_of(result) == "22012":  # no row: not ours any more
+                raise _Lost(req) from failed
+            raise failed
 
 
 def _ended(holding: Holding) -> LockLost:

@@ -129,6 +129,41 @@ def test_a_guard_keeps_the_isolation_level_of_the_connection(pg):
     assert bound != "0"  # the idle bound is set in the same transaction
 
 
+def test_a_check_that_found_the_lease_lost_leaves_the_next_guard_working(alias):
+    # On PostgreSQL the check is prepared on the session the first time it
+    # goes out, even when it then finds the lease lost; the next guard on
+    # the same connection uses it.
+    connections[alias].close()  # a new session
+    first = dlock.lock("guard:again", using=alias, ttl=30)
+    assert first.acquire(timeout=0)
+    with pytest.raises(dlock.LockLost), first.guard():
+        _elsewhere(alias, LOSSES["taken over"], "lock:guard:again")
+        _write(alias, "A")
+    second = dlock.lock("guard:again-2", using=alias, ttl=30)
+    for value in ("B", "C"):
+        with second, second.guard():
+            _write(alias, value)
+        assert _read(alias) == value
+
+
+def test_guarded_writes_while_queries_are_logged(alias):
+    # With DEBUG's query log on, nothing is prepared: the check goes out as it is.
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connections[alias]):
+        lk = dlock.lock("guard:logged", using=alias, ttl=30)
+        assert lk.acquire(timeout=0)
+        with lk.guard():
+            _write(alias, "A")
+        assert _read(alias) == "A"
+        _elsewhere(alias, LOSSES["force-released"], "lock:guard:logged")
+        with pytest.raises(dlock.LockLost), lk.guard():
+            _write(alias, "B")
+        with pytest.raises(dlock.LockLost):
+            lk.release()
+    assert _read(alias) == "A"
+
+
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_lost_lease_rolls_the_guarded_writes_back(alias, loss):
     lk = dlock.lock("guard:lost", using=alias, ttl=30)

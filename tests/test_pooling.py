@@ -461,6 +461,39 @@ def test_lease_through_pgbouncer_without_disabling_server_side_cursors(bouncer):
     assert errors == []
 
 
+@pytest.mark.django_db(transaction=True, databases=["default", BOUNCER])
+def test_guarded_writes_through_pgbouncer_in_transaction_mode(bouncer):
+    # The guard's check goes out with COMMIT unprepared behind a pooler: four
+    # threads guard writes on PgBouncer's four server sessions, and a lost
+    # lease still rolls its writes back.
+    table = "dlock_pgb_guard_probe"
+    with connections[BOUNCER].cursor() as cur:
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {table} (id INTEGER PRIMARY KEY, n INTEGER)")
+        cur.execute(f"DELETE FROM {table}")
+        cur.execute(f"INSERT INTO {table} (id, n) VALUES (1, 0)")
+
+    def work(i: int) -> None:
+        lk = dlock.lock("pgb:guard", using=BOUNCER, timeout=30)
+        for _ in range(10):
+            with lk, lk.guard(), connections[BOUNCER].cursor() as cur:
+                cur.execute(f"SELECT n FROM {table} WHERE id = 1")
+                value = cur.fetchone()[0]
+                cur.execute(f"UPDATE {table} SET n = %s WHERE id = 1", [value + 1])
+
+    run_threads(work, [(i,) for i in range(4)])
+    lk = dlock.lock("pgb:guard-lost", using=BOUNCER, ttl=30)
+    assert lk.acquire(timeout=0)
+    with pytest.raises(dlock.LockLost), lk.guard(), connections[BOUNCER].cursor() as cur:
+        cur.execute(f"UPDATE {table} SET n = -1 WHERE id = 1")
+        with connections["default"].cursor() as other:
+            other.execute(
+                "UPDATE django_dlock_lock SET token = '' WHERE name = 'lock:pgb:guard-lost'"
+            )
+    with connections["default"].cursor() as cur:
+        cur.execute(f"SELECT n FROM {table} WHERE id = 1")
+        assert cur.fetchone()[0] == 40
+
+
 # -- SQLite inside the caller's transaction -------------------------------------------------
 
 SQLITE = "sqlite"

@@ -65,6 +65,7 @@ __all__ = [
     "STATEMENT_FLOOR",
     "Abandoned",
     "behind_pooler",
+    "may_prepare",
     "close_private_connections",
     "cursor",
     "deadline_end",
@@ -712,13 +713,7 @@ def execute(
     the deadline is rolled back with its closed connection, so a lease can
     never be taken for a caller that already gave up.
     """
-    if (
-        connection.vendor == "postgresql"
-        and psycopg3()  # (else Django runs PostgreSQL on psycopg2: its cursor)
-        and not connection.queries_logged
-        and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
-        and not _behind_pooler(connection)
-    ):
+    if may_prepare(connection):
         if deadline_end() is None:
             return _execute_prepared(connection, sql, params)
         # an acquire with a timeout: a server that stopped answering must not
@@ -736,6 +731,20 @@ def execute(
             cur.execute(sql, params)
             return (cur.fetchone() if cur.description else None), cur.rowcount
         return _in_own_transaction(connection, cur, sql, params)
+
+
+def may_prepare(connection: BaseDatabaseWrapper) -> bool:
+    """Whether statements may be prepared on ``connection``'s server session
+    (see :func:`execute`): PostgreSQL on psycopg 3 (else Django runs it on
+    psycopg2, through its cursor), queries not logged, and a direct
+    connection (no ``DISABLE_SERVER_SIDE_CURSORS``, no pooler in front)."""
+    return (
+        connection.vendor == "postgresql"
+        and psycopg3()
+        and not connection.queries_logged
+        and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
+        and not _behind_pooler(connection)
+    )
 
 
 def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:

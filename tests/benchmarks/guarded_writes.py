@@ -55,10 +55,11 @@ INTRO = [
     "One single-row `UPDATE` committed in `transaction.atomic`, against the same",
     "`UPDATE` in `lk.guard()` (the lock held throughout), in turn, round after round,",
     "on each database ([safe writes](safe-writes.md)). On PostgreSQL a guard adds",
-    "no round trip (its idle bound goes with `BEGIN`, its check with `COMMIT`), but",
-    "the server runs the check (a row lookup that locks the lease row); on",
-    "MySQL/MariaDB it adds three statements (the session's `wait_timeout` set and",
-    "restored, the check), on SQLite one.",
+    "no round trip: its idle bound goes with `BEGIN`, its check (prepared once per",
+    "session, in a savepoint) with `COMMIT`, in libpq's pipeline mode; what is left",
+    "is the server's work on the check and the client's on the pipeline. On",
+    "MySQL/MariaDB a guard adds three statements (the session's `wait_timeout` set",
+    "and restored, the check), on SQLite one.",
 ]
 
 
