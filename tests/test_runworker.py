@@ -764,7 +764,7 @@ def test_an_isolated_job_is_stopped_when_the_term_is_lost(tmp_path):
         env={"DLOCK_TEST_REGEX_SIZE": "40", "DLOCK_TEST_STARTED": marker},
     )  # fmt: skip
     try:
-        wait_until(lambda: os.path.exists(marker), 60)
+        wait_until(lambda: os.path.exists(marker) and Path(marker).read_text(), 60)
         with open(marker) as f:
             child = int(f.read())
         lost_at = time.monotonic()
@@ -810,7 +810,7 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, maybe between open and read
         return False
 
 
