@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import Any
 from django.db import connections
 
 from django_dlock import dbclock
+from django_dlock.keys import make_key, pg_locks_ids
 from django_dlock.strategies.connection import close_private_connections
 
 
@@ -87,3 +89,32 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached within the bound")
         time.sleep(0.02)
+
+
+def pg_locks(key: Any, *, alias: str = "default", granted: bool | None = True) -> list[Any]:
+    """(pid, mode) of the advisory locks on ``key`` (a key or a made one) in the
+    test database of ``alias``; ``granted=None``: granted or waiting."""
+    classid, objid, objsubid = pg_locks_ids(make_key(key) if not hasattr(key, "name") else key)
+    sql = (
+        "SELECT pid, mode FROM pg_locks WHERE locktype = 'advisory' AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) AND "
+        "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s"
+    )
+    params: list[Any] = [classid, objid, objsubid]
+    if granted is not None:
+        sql += " AND granted = %s"
+        params.append(granted)
+    with connections[alias].cursor() as cur:
+        cur.execute(sql, params)
+        return sorted(cur.fetchall())
+
+
+def give_back_sessions() -> None:
+    """After a test: no advisory session of this process may still hold a lock
+    (threads that ended are buried by the watcher); close them all."""
+    from django_dlock.strategies.advisory import sessions
+
+    gc.collect()
+    wait_until(lambda: not sessions.holding_sessions(), timeout=30)
+    sessions.close_all()
+    close_private_connections()

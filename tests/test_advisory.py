@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 
 import pytest
@@ -13,9 +12,8 @@ from django.test.utils import CaptureQueriesContext, override_settings
 import django_dlock as dlock
 from django_dlock.keys import hash32, hash64, make_key, pg_locks_ids
 from django_dlock.strategies.advisory import sessions
-from django_dlock.strategies.connection import close_private_connections
 
-from .helpers import in_thread, wait_until
+from .helpers import give_back_sessions, in_thread, pg_locks, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -25,29 +23,7 @@ ADV = "advisory"
 @pytest.fixture(autouse=True)
 def _no_session_left_behind():
     yield
-    # Every test gives back what it took: no session of this process may
-    # still hold a lock (threads that ended are buried by the watcher).
-    gc.collect()
-    wait_until(lambda: not sessions.holding_sessions(), timeout=30)
-    sessions.close_all()
-    close_private_connections()
-
-
-def pg_locks(key, *, granted: bool | None = True) -> list[tuple[int, str]]:
-    """(pid, mode) of the advisory locks on ``key`` in the test database."""
-    classid, objid, objsubid = pg_locks_ids(make_key(key) if not hasattr(key, "name") else key)
-    sql = (
-        "SELECT pid, mode FROM pg_locks WHERE locktype = 'advisory' AND database = "
-        "(SELECT oid FROM pg_database WHERE datname = current_database()) AND "
-        "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s"
-    )
-    params = [classid, objid, objsubid]
-    if granted is not None:
-        sql += " AND granted = %s"
-        params.append(granted)
-    with connections["default"].cursor() as cur:
-        cur.execute(sql, params)
-        return sorted(cur.fetchall())
+    give_back_sessions()  # every test gives back what it took
 
 
 class HeldElsewhere:

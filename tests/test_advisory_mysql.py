@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 
 import pytest
@@ -14,9 +13,8 @@ import django_dlock as dlock
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import mysql, sessions
 from django_dlock.strategies.advisory.mysql import MAX_NAME_LENGTH, lock_name
-from django_dlock.strategies.connection import close_private_connections
 
-from .helpers import in_thread, run_threads, wait_until
+from .helpers import give_back_sessions, in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -27,10 +25,7 @@ ADV = "advisory"
 @pytest.fixture(autouse=True)
 def _no_session_left_behind():
     yield
-    gc.collect()
-    wait_until(lambda: not sessions.holding_sessions(), timeout=30)
-    sessions.close_all()
-    close_private_connections()
+    give_back_sessions()  # every test gives back what it took
 
 
 def mlock(key, **options):

@@ -10,11 +10,11 @@ from django.db import connections, transaction
 from django.test.utils import CaptureQueriesContext, override_settings
 
 import django_dlock as dlock
-from django_dlock.keys import hash32, make_key, pg_locks_ids
+from django_dlock.keys import hash32
 from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.connection import close_private_connections
 
-from .helpers import in_thread, run_threads
+from .helpers import in_thread, pg_locks, run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -26,19 +26,6 @@ def _close_private():
     yield
     close_private_connections()
     sessions.close_all()  # idle sessions of the advisory strategy
-
-
-def pg_locks(key, *, granted: bool = True) -> list[tuple[int, str]]:
-    classid, objid, objsubid = pg_locks_ids(make_key(key))
-    with connections["default"].cursor() as cur:
-        cur.execute(
-            "SELECT pid, mode FROM pg_locks WHERE locktype = 'advisory' AND database = "
-            "(SELECT oid FROM pg_database WHERE datname = current_database()) AND "
-            "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s "
-            "AND granted = %s",
-            [classid, objid, objsubid, granted],
-        )
-        return sorted(cur.fetchall())
 
 
 def other_try(key, **options) -> bool:

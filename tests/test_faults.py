@@ -126,7 +126,7 @@ def test_failing_renewal_loses_the_lock_loudly_never_silently(alias):
     try:
         lk = dlock.lock("doomed", using=alias, ttl=1.0, renew=True)
         with pytest.raises(dlock.LockLost), lk:
-            wait_until(lambda: lk.lost)
+            wait_until(lambda: lk.lost and bool(lost))  # (set first, then reported)
             # Lost on our side no later than the lease can be taken:
             got = in_thread(lambda: dlock.lock("doomed", using=alias).acquire(timeout=30))
             assert got is True

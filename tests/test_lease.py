@@ -150,7 +150,8 @@ def test_lost_lock_on_takeover_while_renewing(alias):
         with pytest.raises(dlock.LockLost), lk:
             expire_now(alias, "lock:victim")
             assert try_once("victim", alias) is True  # someone else took it
-            wait_until(lambda: lk.lost)
+            # lost is set first, then the signal and the callback run
+            wait_until(lambda: lk.lost and bool(lost_events))
             assert not lk.held() and not lk.owned()  # never reported as held
         assert len(lost_events) == 1 and isinstance(lost_events[0], dlock.LockLost)
         assert signalled == [("lock:victim", "lease")]

@@ -33,7 +33,7 @@ from django_dlock.strategies.advisory.sessions import SessionSwitched
 from django_dlock.strategies.connection import close_private_connections
 
 from . import pgbouncer, procs
-from .helpers import in_thread, run_threads, wait_until
+from .helpers import give_back_sessions, in_thread, run_threads, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -56,10 +56,7 @@ needs_django_pool = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _clean():
     yield
-    gc.collect()
-    wait_until(lambda: not sessions.holding_sessions(), timeout=30)
-    sessions.close_all()
-    close_private_connections()
+    give_back_sessions()
 
 
 def query(sql: str, params: list | None = None) -> list[tuple]:

@@ -21,13 +21,13 @@ import pytest
 from django.db import connections, transaction
 
 import django_dlock as dlock
-from django_dlock.keys import make_key, pg_locks_ids
+from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import sessions
 from django_dlock.strategies.advisory.mysql import lock_name
 from django_dlock.strategies.connection import close_private_connections
 
 from ..conftest import DB_IDS
-from ..helpers import in_thread, wait_until
+from ..helpers import in_thread, pg_locks, wait_until
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Cell:
             held = LockRow.objects.using(self.alias).held().filter(name=name)
             return list(held.values_list("token", "fence"))
         if self.vendor == "postgresql" and self.strategy in ("advisory", "advisory_xact"):
-            return [pid for pid, _ in pg_locks(self.alias, key, granted=True)]
+            return [pid for pid, _ in pg_locks(key, alias=self.alias)]
         if self.vendor == "mysql" and self.strategy == "advisory":
             with connections[self.alias].cursor() as cur:
                 cur.execute("SELECT IS_USED_LOCK(%s)", [self.server_name(key)])
@@ -108,7 +108,7 @@ class Cell:
 
             return Waiter.objects.using(self.alias).filter(name=name).count()
         if self.vendor == "postgresql" and self.strategy in ("advisory", "advisory_xact"):
-            return len(pg_locks(self.alias, key, granted=False))
+            return len(pg_locks(key, alias=self.alias, granted=False))
         if self.vendor == "mysql" and self.strategy == "advisory":
             with connections[self.alias].cursor() as cur:
                 cur.execute(
@@ -179,20 +179,6 @@ async def off_the_loop(func: Any, *args: Any) -> Any:
             connections.close_all()
 
     return await asyncio.to_thread(run)
-
-
-def pg_locks(alias: str, key: Any, *, granted: bool) -> list[tuple[int, str]]:
-    """(pid, mode) of the advisory locks on ``key`` in the test database."""
-    classid, objid, objsubid = pg_locks_ids(make_key(key))
-    with connections[alias].cursor() as cur:
-        cur.execute(
-            "SELECT pid, mode FROM pg_locks WHERE locktype = 'advisory' AND database = "
-            "(SELECT oid FROM pg_database WHERE datname = current_database()) AND "
-            "classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = %s "
-            "AND granted = %s",
-            [classid, objid, objsubid, granted],
-        )
-        return sorted(cur.fetchall())
 
 
 CELLS = [

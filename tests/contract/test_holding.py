@@ -9,8 +9,8 @@ from django.db import connections
 
 import django_dlock as dlock
 
-from ..helpers import in_thread
-from .cells import ALL, RELEASED, HeldElsewhere, pg_locks
+from ..helpers import in_thread, pg_locks
+from .cells import ALL, RELEASED, HeldElsewhere
 
 
 @pytest.mark.parametrize("cell", RELEASED)
@@ -22,9 +22,7 @@ def test_acquire_release_and_state(cell):
     assert lk.name == "lock:state"
     assert cell.holders("state") == [cell.holder_of(lk)]
     if cell.vendor == "postgresql" and cell.session:
-        assert [mode for _, mode in pg_locks(cell.alias, "state", granted=True)] == [
-            "ExclusiveLock"
-        ]
+        assert [mode for _, mode in pg_locks("state", alias=cell.alias)] == ["ExclusiveLock"]
     assert (lk.fence is not None) is cell.fences
     assert cell.try_once("state") is False
     lk.release()

@@ -62,8 +62,9 @@ def test_a_session_the_server_ends_is_reported_lost_and_frees_the_lock(cell):
         lk = cell.lock("victim", on_lost=lost.append)
         lk.acquire()
         cell.end_session(cell.session_of(lk).backend_pid)
-        # The watcher notices the closed session without a statement of ours.
-        wait_until(lambda: lk.lost, timeout=30)
+        # The watcher notices the closed session without a statement of ours,
+        # and reports it (lost is set first, then the signal and the callback).
+        wait_until(lambda: lk.lost and bool(lost), timeout=30)
         assert len(lost) == 1 and isinstance(lost[0], dlock.LockLost)
         assert signalled == [("lock:victim", cell.strategy)]
         assert not lk.held() and not lk.owned()

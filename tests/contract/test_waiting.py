@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -17,7 +18,32 @@ from django_dlock.strategies.connection import close_private_connections
 
 from .. import procs
 from ..helpers import in_thread, wait_until
-from .cells import ALL, BY_ID, FREED_BY_THE_SERVER, RELEASED, HeldElsewhere, off_the_loop
+from .cells import ALL, BY_ID, FREED_BY_THE_SERVER, RELEASED, Cell, HeldElsewhere, off_the_loop
+
+
+def _waiting(
+    cell: Cell, key: str, timeout: float | None, **options: Any
+) -> tuple[dict[str, bool], threading.Thread]:
+    """Another holder, in a thread of its own, waiting for ``key`` (once it
+    waits, where the server shows it): what it got, and its thread."""
+    result: dict[str, bool] = {}
+
+    def waiter() -> None:
+        try:
+            with cell.transaction():
+                lk = cell.lock(key, **options)
+                result["got"] = lk.acquire(timeout=timeout)
+                result["owned"] = lk.owned()
+                if result["got"] and not cell.transactional:
+                    lk.release()
+        finally:
+            close_private_connections()
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    cell.wait_for_waiters(key, 1)
+    return result, thread
 
 
 @pytest.mark.parametrize("cell", ALL)
@@ -51,23 +77,7 @@ def test_a_timeout_gives_up_with_lock_timeout_and_leaves_nothing(cell):
 @pytest.mark.parametrize("cell", ALL)
 def test_a_waiter_is_handed_the_lock_when_the_holder_lets_go(cell, timeout):
     holder = HeldElsewhere(cell, "handoff")
-    result: dict[str, bool] = {}
-
-    def waiter() -> None:
-        try:
-            with cell.transaction():
-                lk = cell.lock("handoff")
-                result["got"] = lk.acquire(timeout=timeout)
-                result["owned"] = lk.owned()
-                if not cell.transactional:
-                    lk.release()
-        finally:
-            close_private_connections()
-            connections.close_all()
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    cell.wait_for_waiters("handoff", 1)
+    result, thread = _waiting(cell, "handoff", timeout)
     assert result == {}  # still held: the waiter waits
     holder.release()  # a release, or the holder's commit
     thread.join(60)
@@ -114,25 +124,10 @@ def test_sigkill_of_the_holder_process_frees_the_lock_at_once(cell, tmp_path):
         assert cell.try_once("crash") is False
         if not cell.transactional:
             assert cell.lock("crash").locked()
-        result: dict[str, bool] = {}
-
-        def waiter() -> None:
-            try:
-                with cell.transaction():
-                    lk = cell.lock("crash", ttl=3600)
-                    result["got"] = lk.acquire(timeout=60)  # far less than any lease
-                    if result["got"] and not cell.transactional:
-                        lk.release()
-            finally:
-                close_private_connections()
-                connections.close_all()
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        cell.wait_for_waiters("crash", 1)
+        result, thread = _waiting(cell, "crash", 60, ttl=3600)  # far less than any lease
         os.kill(proc.pid, signal.SIGKILL)
         thread.join(60)
-        assert result == {"got": True}
+        assert result == {"got": True, "owned": True}
     finally:
         proc.kill()
         proc.join(10)
