@@ -24,6 +24,7 @@ from django_dlock.exceptions import (
     MissingKeyArgument,
     NotMigrated,
     QuorumUnavailable,
+    SemaphoreNotSupported,
     SessionBusy,
     StaleFence,
     StrategyNotSupported,
@@ -48,6 +49,8 @@ __all__ = [
     "MissingKeyArgument",
     "NotMigrated",
     "QuorumUnavailable",
+    "Semaphore",
+    "SemaphoreNotSupported",
     "SessionBusy",
     "StaleFence",
     "StrategyNotSupported",
@@ -58,12 +61,14 @@ __all__ = [
     "close_connections",
     "lock",
     "lock_and_atomic",
+    "semaphore",
 ]
 
 if TYPE_CHECKING:
     from django_dlock.atomic import lock_and_atomic
     from django_dlock.leader import LeaderElection
     from django_dlock.locks import Lock, lock
+    from django_dlock.semaphores import Semaphore, semaphore
     from django_dlock.tasklock import TaskLock
 
 
@@ -101,6 +106,10 @@ def __getattr__(name: str) -> Any:
         found = getattr(locks, name)
         globals()[name] = found  # found directly from now on (``dlock.lock`` per call)
         return found
+    if name in ("Semaphore", "semaphore"):
+        from django_dlock import semaphores
+
+        return getattr(semaphores, name)
     if name == "TaskLock":
         from django_dlock.tasklock import TaskLock
 

@@ -23,6 +23,7 @@ __all__ = [
     "MissingKeyArgument",
     "NotMigrated",
     "QuorumUnavailable",
+    "SemaphoreNotSupported",
     "SessionBusy",
     "StaleFence",
     "StrategyNotSupported",
@@ -136,6 +137,11 @@ class SyncInAsyncContext(DLockError, SynchronousOnlyOperation):
 
 class StrategyNotSupported(DLockError):
     """The strategy is unknown, or the database cannot do it."""
+
+
+class SemaphoreNotSupported(StrategyNotSupported):
+    """A semaphore cannot be kept this way: its strategy cannot count permits
+    (only ``lease`` can), or it was asked of a quorum of databases."""
 
 
 class GuardNotSupported(StrategyNotSupported):

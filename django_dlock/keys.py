@@ -7,7 +7,7 @@ A key is one of:
   strings (hashed to int4);
 * a saved Django model instance, named ``"<app_label>.<model>:<pk>"``.
 
-Each primitive prefixes its namespace (``lock``, ``task``, ``leader``) to
+Each primitive prefixes its namespace (``lock``, ``task``, ``leader``, ``semaphore``) to
 form the stored name, so ``lock("x")`` and ``TaskLock("x")`` never collide.
 Distinct keys get distinct names, which the admin shows as they are:
 
@@ -54,7 +54,7 @@ KeyLike = str | tuple[KeyPart, KeyPart] | models.Model
 #: what a lock takes: one key, or a collection of keys locked all or none
 LockKey = KeyLike | list[KeyLike] | set[KeyLike] | frozenset[KeyLike]
 
-NAMESPACES = ("lock", "task", "leader")
+NAMESPACES = ("lock", "task", "leader", "semaphore")
 
 
 @dataclass(frozen=True, order=True)

@@ -124,6 +124,19 @@ def direct_databases_error(value: object) -> str | None:
     return None
 
 
+#: the most permits a semaphore may have (a permit's number is part of its row's name)
+MAX_PERMITS = 1000
+
+
+def permits_error(value: object) -> str | None:
+    """Return why ``value`` is not a semaphore's number of permits, or ``None``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"permits must be a whole number, got {value!r}"
+    if not 1 <= value <= MAX_PERMITS:
+        return f"permits must be between 1 and {MAX_PERMITS}, got {value}"
+    return None
+
+
 def validated(problem: str | None) -> None:
     """Raise ``ValueError(problem)`` unless ``problem`` is ``None``."""
     if problem is not None:

@@ -104,7 +104,8 @@ def test_a_ticket_waits_for_a_release_in_flight(pg):
     assert lease.try_acquire(holder) is not None
     releasing = _raw(pg)
     try:
-        found = releasing.execute(PG_RELEASE_SQL[True], [holder.key.name, holder.token]).fetchone()
+        params = [holder.key.name, holder.token, holder.key.name]
+        found = releasing.execute(PG_RELEASE_SQL[True], params).fetchone()
         assert found is not None  # released, not yet committed
         thread, out = _in_background(lambda: queue.enqueue(waiter))
         wait_until(lambda: _blocked_by(pg, releasing.info.backend_pid))

@@ -48,6 +48,17 @@ CASES = [
     ("lease", "default", "force-released"),
     ("lease", "sqlite", "force-released"),
     ("lease", "mysql", "force-released"),
+    # a semaphore's permit is a lease of its own (one permit here: see
+    # tests/test_semaphore.py for one permit lost among several)
+    ("semaphore", "default", "expired"),
+    ("semaphore", "default", "taken"),
+    ("semaphore", "default", "force-released"),
+    ("semaphore", "sqlite", "expired"),
+    ("semaphore", "sqlite", "taken"),
+    ("semaphore", "sqlite", "force-released"),
+    ("semaphore", "mysql", "expired"),
+    ("semaphore", "mysql", "taken"),
+    ("semaphore", "mysql", "force-released"),
 ]
 OPERATIONS = ["owned", "held", "extend", "release", "leave", "acquire"]
 #: (strategy, alias, state, operation): every cell of the table
@@ -59,6 +70,23 @@ CELLS = [
 ]
 
 TTL = 0.4
+
+
+def _make(key, alias, strategy, **options):
+    """A lock of ``strategy``, or (``"semaphore"``) a semaphore of one permit."""
+    if strategy == "semaphore":
+        return dlock.semaphore(key, permits=1, using=alias, **options)
+    return dlock.lock(key, using=alias, strategy=strategy, **options)
+
+
+def _name(key, strategy) -> str:
+    return f"semaphore:{key}" if strategy == "semaphore" else f"lock:{key}"
+
+
+def _leased(strategy) -> bool:
+    return strategy in ("lease", "semaphore")
+
+
 #: a force-release happens well within the lease: nothing runs out meanwhile
 FORCE_RELEASED_TTL = 60.0
 
@@ -102,7 +130,7 @@ class Taker:
     def take(self, key, alias, strategy) -> None:
         def hold():
             try:
-                other = dlock.lock(key, using=alias, strategy=strategy, ttl=60)
+                other = _make(key, alias, strategy, ttl=60)
                 if other.acquire(timeout=10):
                     self.holding.set()
                     self.done.wait(60)
@@ -125,10 +153,11 @@ def _lose(lk, key, alias, strategy, state, taker, losses):
     if state == "force-released":
         # as an operator does it (the admin action, manage.py dlock_release),
         # then another holder takes the key
-        released = force_release(alias, names=[f"lock:{key}"], source="test")
+        row = _name(key, strategy) + ("#0" if strategy == "semaphore" else "")
+        released = force_release(alias, names=[row], source="test")
         assert len(released) == 1
         taker.take(key, alias, strategy)
-    elif strategy == "lease":
+    elif _leased(strategy):
         # The lease really runs out, on the database clock.
         wait_until(lambda: not lk.locked())
         if state == "taken":
@@ -145,13 +174,13 @@ def _lose(lk, key, alias, strategy, state, taker, losses):
 @pytest.mark.parametrize(("strategy", "alias", "state", "operation"), CELLS)
 def test_loss_table(strategy, alias, state, operation):
     key = f"loss-{strategy}-{state.replace(' ', '-')}-{operation}"
-    losses = Losses(f"lock:{key}")
+    losses = Losses(_name(key, strategy))
     signals.lock_lost.connect(losses.receiver)
     taker = Taker()
     taken = state in ("taken", "force-released")
     ttl = FORCE_RELEASED_TTL if state == "force-released" else TTL
     try:
-        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=ttl, on_lost=losses.on_lost)
+        lk = _make(key, alias, strategy, ttl=ttl, on_lost=losses.on_lost)
         if operation == "leave":
             with pytest.raises(dlock.LockLost), lk:
                 _lose(lk, key, alias, strategy, state, taker, losses)
@@ -179,11 +208,11 @@ def test_loss_table(strategy, alias, state, operation):
             elif operation == "acquire":
                 # Re-entry is refused by the database: the caller contends afresh
                 # (with a long lease this time, so that it surely runs meanwhile).
-                again = dlock.lock(key, using=alias, strategy=strategy, ttl=60).acquire(0)
+                again = _make(key, alias, strategy, ttl=60).acquire(0)
                 assert again is not taken
                 if again:
                     assert lk.held() and lk.owned()
-                    if strategy == "lease":
+                    if _leased(strategy):
                         assert lk.fence > first_fence
                     lk.release()
                 # The lost level still reports its loss when it is left.

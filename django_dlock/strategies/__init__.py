@@ -22,7 +22,7 @@ from django_dlock.validation import strategy_error
 if TYPE_CHECKING:
     from django_dlock.strategies.base import Strategy
 
-__all__ = ["REGISTRY", "implementation", "supported", "traits"]
+__all__ = ["REGISTRY", "counts_permits", "implementation", "supported", "traits"]
 
 #: ``"*"``: one implementation for every database (it checks which it can do)
 ANY = "*"
@@ -130,6 +130,14 @@ def traits(name: str) -> tuple[str, bool, bool]:
             isinstance(strategy, TakesTickets),
         )
     return found
+
+
+def counts_permits(name: str) -> bool:
+    """Whether the strategy called ``name`` can hand out several holdings of
+    one key (:class:`~django_dlock.strategies.base.CountsPermits`): a semaphore."""
+    from django_dlock.strategies.base import CountsPermits
+
+    return isinstance(_any_implementation(name), CountsPermits)
 
 
 def _any_implementation(name: str) -> Strategy:

@@ -17,7 +17,16 @@ from django_dlock.conf import RetryInterval
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 
-__all__ = ["HELD", "ExplainsBusy", "Grant", "Guards", "Request", "Strategy", "TakesTickets"]
+__all__ = [
+    "HELD",
+    "CountsPermits",
+    "ExplainsBusy",
+    "Grant",
+    "Guards",
+    "Request",
+    "Strategy",
+    "TakesTickets",
+]
 
 #: how a busy key is described when nothing more is known
 HELD = "is held by someone else"
@@ -44,6 +53,15 @@ class Request:
     #: (database time): :class:`~django_dlock.TaskLock`'s ``min_hold``. Only
     #: leased strategies honour it.
     hold_at_least: float = 0.0
+    #: the lease row a semaphore's permit was granted on (set by the
+    #: strategy with the grant); empty for a lock, whose row is its key's
+    slot: str = ""
+
+    @property
+    def row(self) -> str:
+        """The name of the lease row this holding occupies: the permit's slot
+        for a semaphore, else the key's name."""
+        return self.slot or self.key.name
 
 
 @runtime_checkable
@@ -103,6 +121,16 @@ class TakesTickets(Protocol):
     async def await_ticket(
         self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None: ...
+
+
+@runtime_checkable
+class CountsPermits(Protocol):
+    """A strategy that can let several holders hold one key, up to a count
+    (a semaphore's permits): ``lease``, where each permit is a lease row."""
+
+    def with_permits(self, permits: int) -> Strategy:
+        """The strategy that hands out ``permits`` holdings of a key at once."""
+        ...
 
 
 class Strategy(Protocol):

@@ -129,14 +129,25 @@ RETURNING id
 """
 
 
-def enqueue(req: Request) -> int:
-    """Take a ticket for ``req``'s key; its number."""
+# The same for a key whose releases update several rows (a semaphore's permits).
+_PG_ENQUEUE_ROWS = _PG_ENQUEUE.replace(
+    "WHERE name = %s FOR SHARE", "WHERE name = ANY(%s) FOR SHARE"
+)
+
+
+def enqueue(req: Request, rows: list[str] | None = None) -> int:
+    """Take a ticket for ``req``'s key; its number.
+
+    ``rows``: the lease rows whose release wakes this queue, when they are
+    not the key's own row (a semaphore's permits).
+    """
     ttl = ticket_ttl()
 
     def run(connection: BaseDatabaseWrapper) -> int:
         if connection.vendor == "postgresql":
             name = req.key.name
-            found = fetch_one(connection, _PG_ENQUEUE, [name, name, req.token, req.owner, ttl])
+            sql, locked = (_PG_ENQUEUE, name) if rows is None else (_PG_ENQUEUE_ROWS, rows)
+            found = fetch_one(connection, sql, [locked, name, req.token, req.owner, ttl])
             return int(found[0])
         now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)

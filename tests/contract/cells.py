@@ -43,17 +43,35 @@ class Cell:
     freed_by_the_server: bool = True
     #: the holding lives in a server session of its own (advisory locks)
     session: bool = False
+    #: a semaphore of this many permits instead of a lock (one permit: a lock)
+    permits: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
-        return f"{self.strategy}-{DB_IDS[self.alias]}"
+        kind = self.strategy if self.permits is None else f"semaphore{self.permits}"
+        return f"{kind}-{DB_IDS[self.alias]}"
+
+    @property
+    def namespace(self) -> str:
+        return "lock" if self.permits is None else "semaphore"
+
+    def rows(self, key: Any) -> list[str]:
+        """The lease rows of ``key``: its own, or a semaphore's permits."""
+        name = make_key(key, self.namespace).name
+        if self.permits is None:
+            return [name]
+        return [f"{name}#{i}" for i in range(self.permits)]
 
     @property
     def vendor(self) -> str:
         return connections[self.alias].vendor
 
     def lock(self, key: Any, **options: Any) -> dlock.Lock:
+        if self.permits is not None:
+            return dlock.semaphore(
+                key, permits=self.permits, strategy=self.strategy, using=self.alias, **options
+            )
         return dlock.lock(key, strategy=self.strategy, using=self.alias, **options)
 
     @contextlib.contextmanager
@@ -85,11 +103,10 @@ class Cell:
 
     def holders(self, key: Any) -> list[Any] | None:
         """Who holds ``key`` in the database (a session, a token), or None when unseen."""
-        name = make_key(key).name
         if self.strategy == "lease":
             from django_dlock.models import Lock as LockRow
 
-            held = LockRow.objects.using(self.alias).held().filter(name=name)
+            held = LockRow.objects.using(self.alias).held().filter(name__in=self.rows(key))
             return list(held.values_list("token", "fence"))
         if self.vendor == "postgresql" and self.strategy in ("advisory", "advisory_xact"):
             return [pid for pid, _ in pg_locks(key, alias=self.alias)]
@@ -102,11 +119,11 @@ class Cell:
 
     def waiters(self, key: Any) -> int | None:
         """How many wait for ``key`` in the database now, or None when unseen."""
-        name = make_key(key).name
         if self.strategy == "lease":
             from django_dlock.models import Waiter
 
-            return Waiter.objects.using(self.alias).filter(name=name).count()
+            queue = make_key(key, self.namespace).name
+            return Waiter.objects.using(self.alias).filter(name=queue).count()
         if self.vendor == "postgresql" and self.strategy in ("advisory", "advisory_xact"):
             return len(pg_locks(key, alias=self.alias, granted=False))
         if self.vendor == "mysql" and self.strategy == "advisory":
@@ -190,6 +207,10 @@ CELLS = [
     Cell("advisory", "default", session=True),  # fences are opt-in (DLOCK_ADVISORY_FENCING)
     Cell("advisory", "mysql", session=True),
     Cell("advisory_xact", "default", transactional=True),
+    # a semaphore of one permit is a lock: every contract holds for it
+    Cell("lease", "default", fences=True, freed_by_the_server=False, permits=1),
+    Cell("lease", "sqlite", fences=True, freed_by_the_server=False, permits=1),
+    Cell("lease", "mysql", fences=True, freed_by_the_server=False, permits=1),
 ]
 BY_ID = {cell.id: cell for cell in CELLS}
 

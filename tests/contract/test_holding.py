@@ -19,7 +19,7 @@ def test_acquire_release_and_state(cell):
     assert not lk.locked() and not lk.owned() and not lk.held()
     assert lk.acquire(timeout=0) is True
     assert lk.locked() and lk.owned() and lk.held()
-    assert lk.name == "lock:state"
+    assert lk.name == f"{cell.namespace}:state"
     assert cell.holders("state") == [cell.holder_of(lk)]
     if cell.vendor == "postgresql" and cell.session:
         assert [mode for _, mode in pg_locks("state", alias=cell.alias)] == ["ExclusiveLock"]
@@ -82,7 +82,7 @@ def test_many_keys_all_or_none(cell):
     finally:
         holder.release()
     with cell.hold(["b", "a", "a", "c"]) as lk:
-        assert list(lk.fences) == ["lock:a", "lock:b", "lock:c"]
+        assert list(lk.fences) == [f"{cell.namespace}:{k}" for k in "abc"]
         assert not any(cell.try_once(k) for k in "abc")
         holders = [cell.holders(k) for k in "abc"]
         if holders[0] is not None:

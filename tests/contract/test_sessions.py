@@ -66,7 +66,7 @@ def test_a_session_the_server_ends_is_reported_lost_and_frees_the_lock(cell):
         # and reports it (lost is set first, then the signal and the callback).
         wait_until(lambda: lk.lost and bool(lost), timeout=30)
         assert len(lost) == 1 and isinstance(lost[0], dlock.LockLost)
-        assert signalled == [("lock:victim", cell.strategy)]
+        assert signalled == [(f"{cell.namespace}:victim", cell.strategy)]
         assert not lk.held() and not lk.owned()
         assert cell.try_once("victim") is True  # the server freed it with the session
         with pytest.raises(dlock.LockLost):

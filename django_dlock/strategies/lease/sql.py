@@ -133,14 +133,15 @@ RETURNING fence
 """
 
 # Wakes the head of the key's queue, if any (nothing is sent when nobody
-# waits).
+# waits): the queue of the key, named by the last parameter (a semaphore's
+# permit rows share their semaphore's queue).
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
     RETURNING name{{returning}}
 )
-SELECT {queue.PG_WAKE_HEAD.format(name="released.name")}
+SELECT {queue.PG_WAKE_HEAD.format(name="%s")}
 FROM released
 """
 PG_RELEASE_SQL = {

@@ -26,7 +26,15 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
-from django_dlock.strategies.base import HELD, Grant, Guards, Request, Strategy, TakesTickets
+from django_dlock.strategies.base import (
+    HELD,
+    CountsPermits,
+    Grant,
+    Guards,
+    Request,
+    Strategy,
+    TakesTickets,
+)
 from django_dlock.strategies.connection import (
     cursor,
     execute,
@@ -36,7 +44,7 @@ from django_dlock.strategies.connection import (
 )
 from django_dlock.strategies.lease.acquire import acquire_on, try_acquire
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
-from django_dlock.strategies.lease.waiting import TicketWait, attempt
+from django_dlock.strategies.lease.waiting import Look, TicketWait, attempt, look
 
 #: why a key could not be taken (the words of the log messages; HELD in base)
 QUEUED_AHEAD = "is free, but other waiters are queued ahead"
@@ -70,11 +78,11 @@ def _release_after_transaction(
     found = fetch_one(
         caller,
         f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}",
-        [req.key.name, req.token],
+        [req.row, req.token],
     )
     if found is None:
         return False
-    params = [req.key.name, req.token, int(found[0])]
+    params = [req.row, req.token, int(found[0])]
     until = time.monotonic() + req.ttl
 
     def release() -> None:
@@ -92,7 +100,7 @@ def _release_after_transaction(
                     logger.warning(
                         "django-dlock: could not release %s after its transaction: %s; "
                         "the lease runs out on its own",
-                        req.key.name,
+                        req.row,
                         exc,
                     )
                     return
@@ -115,6 +123,12 @@ class LeaseStrategy:
     def ended(self, req: Request) -> bool:
         return False  # a lease ends by release, expiry or takeover, never on its own
 
+    def with_permits(self, permits: int) -> Strategy:
+        """This strategy handing out ``permits`` leases of a key (a semaphore)."""
+        from django_dlock.strategies.lease.permits import permit_strategy
+
+        return permit_strategy(permits)
+
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         if connection.vendor not in ("postgresql", "sqlite", "mysql"):
             raise StrategyNotSupported(
@@ -129,7 +143,7 @@ class LeaseStrategy:
             return Grant(fence)
         if deadline.expired():
             return None
-        ticket = queue.enqueue(req)
+        ticket = self.enqueue(req)
         return self.wait_ticket(req, ticket, deadline, policy)
 
     def try_acquire(self, req: Request, ticket: int | None = None) -> int | None:
@@ -139,6 +153,11 @@ class LeaseStrategy:
         the granted ticket is deleted.
         """
         return try_acquire(req, ticket)
+
+    def look(self, req: Request, ticket: int) -> Look:
+        """A waiter's look: how long the key stays taken, and whether a live
+        ticket is ahead of ``ticket``."""
+        return look(req, ticket)
 
     def acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
@@ -156,7 +175,7 @@ class LeaseStrategy:
         wait: TicketWait | None = None
         try:
             waiter = notify.Waiter()
-            wait = TicketWait(req, ticket, deadline, policy, waiter)
+            wait = TicketWait(req, ticket, deadline, policy, waiter, self)
             if wait.listen is not None:
                 wait.listen.wait_ready(min(1.0, deadline.remaining()))
             with contextlib.closing(wait):
@@ -188,7 +207,7 @@ class LeaseStrategy:
 
     async def aenqueue(self, req: Request) -> int:
         """Take a ticket off the event loop; a cancellation meanwhile leaves none behind."""
-        task = asyncio.ensure_future(sync_to_async(queue.enqueue)(req))
+        task = asyncio.ensure_future(sync_to_async(self.enqueue)(req))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -210,7 +229,7 @@ class LeaseStrategy:
         wait: TicketWait | None = None
         try:
             waiter = notify.Waiter(asyncio.get_running_loop())
-            wait = TicketWait(req, ticket, deadline, policy, waiter)
+            wait = TicketWait(req, ticket, deadline, policy, waiter, self)
             woken = waiter.async_event
             assert woken is not None
             if wait.listen is not None:
@@ -249,7 +268,7 @@ class LeaseStrategy:
         if not released and retried:
             # The first try may have released before its connection dropped:
             # a free row (empty token) means nobody else holds it.
-            found = read(req.alias, f"SELECT token FROM {TABLE} WHERE name = %s", [req.key.name])
+            found = read(req.alias, f"SELECT token FROM {TABLE} WHERE name = %s", [req.row])
             return found is None or found[0] == ""
         return released
 
@@ -257,13 +276,14 @@ class LeaseStrategy:
         """Release on ``connection``; ``False`` if the lease there is no longer ours."""
         if connection.vendor == "postgresql":
             sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
-            return fetch_one(connection, sql, [req.key.name, req.token]) is not None
+            params = [req.row, req.token, req.key.name]  # wakes the key's queue
+            return fetch_one(connection, sql, params) is not None
         now = dbclock.now_sql(connection)
         sql = (
             f"UPDATE {TABLE} SET token = '', expire_at = {now} "
             f"WHERE name = %s AND token = %s AND expire_at > {now}"
         )
-        return bool(execute(connection, sql, [req.key.name, req.token])[1])
+        return bool(execute(connection, sql, [req.row, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
         extended, _ = with_reconnect(
@@ -282,7 +302,7 @@ class LeaseStrategy:
             f"UPDATE {TABLE} SET expire_at = {now_plus} "
             f"WHERE name = %s AND token = %s AND expire_at > {now}"
         )
-        return bool(execute(connection, sql + returning, [ttl, req.key.name, req.token])[1])
+        return bool(execute(connection, sql + returning, [ttl, req.row, req.token])[1])
 
     def release_after(self, req: Request, min_hold: float) -> bool:
         """Release, but keep the lease until ``acquired_at + min_hold`` (database time).
@@ -312,7 +332,7 @@ class LeaseStrategy:
             cur.execute(
                 f"UPDATE {TABLE} SET expire_at = {later}, token = '' "
                 f"WHERE name = %s AND token = %s AND expire_at > {now}",
-                [float(min_hold), req.key.name, req.token],
+                [float(min_hold), req.row, req.token],
             )
             return bool(cur.rowcount)
 
@@ -342,7 +362,7 @@ class LeaseStrategy:
 
     def owned(self, req: Request) -> bool:
         sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {{now}}"
-        return read(req.alias, sql, [req.key.name, req.token]) is not None
+        return read(req.alias, sql, [req.row, req.token]) is not None
 
     def pin(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
         """In the caller's transaction: the lease is still ours, and stays so
@@ -354,7 +374,7 @@ class LeaseStrategy:
                 cur.execute(
                     f"UPDATE {TABLE} SET expire_at = expire_at "
                     f"WHERE name = %s AND token = %s AND expire_at > {now}",
-                    [req.key.name, req.token],
+                    [req.row, req.token],
                 )
                 return bool(cur.rowcount)
         sql, params = self.pin_query(connection, req)
@@ -368,7 +388,7 @@ class LeaseStrategy:
         now = dbclock.now_sql(connection)
         share = "FOR SHARE" if connection.vendor == "postgresql" else "LOCK IN SHARE MODE"
         sql = f"SELECT 1 FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now} {share}"
-        return sql, [req.key.name, req.token]
+        return sql, [req.row, req.token]
 
     def loss_reason(self, req: Request) -> str:
         """Why ``req``'s lease is no longer the caller's, from what its row says now.
@@ -383,7 +403,7 @@ class LeaseStrategy:
             req.alias,
             f"SELECT token, CASE WHEN expire_at > {{now}} THEN 1 ELSE 0 END "
             f"FROM {TABLE} WHERE name = %s",
-            [req.key.name],
+            [req.row],
         )
         if found is None:
             return "its row was deleted (force-released and cleaned up)"
@@ -429,3 +449,4 @@ lease = LeaseStrategy()
 _implements_strategy: Strategy = lease  # (checked by mypy)
 _takes_tickets: TakesTickets = lease  # (checked by mypy)
 _guards: Guards = lease  # (checked by mypy)
+_counts_permits: CountsPermits = lease  # (checked by mypy)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from asgiref.sync import sync_to_async
 from django.db import connections
@@ -39,7 +39,6 @@ from django_dlock.retry import Deadline, interval
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import psycopg3
-from django_dlock.strategies.lease.acquire import try_acquire
 from django_dlock.strategies.lease.sql import TABLE, WAITERS, read
 
 logger = logging.getLogger("django_dlock")
@@ -143,6 +142,14 @@ def listener(alias: str) -> notify.Listener | None:
     return notify.listener(alias)
 
 
+class Turns(Protocol):
+    """What a waiter's turns ask of its strategy: a try with the ticket, a look."""
+
+    def try_acquire(self, req: Request, ticket: int | None = None) -> int | None: ...
+
+    def look(self, req: Request, ticket: int) -> Look: ...
+
+
 class TicketWait:
     """One waiter's wait with its ticket, iterated by a driver.
 
@@ -163,8 +170,10 @@ class TicketWait:
         deadline: Deadline,
         policy: RetryInterval,
         waiter: notify.Waiter,
+        turns: Turns,
     ) -> None:
         self.req = req
+        self.turns = turns
         self.ticket = ticket
         self.listen = listener(req.alias)
         self.waiter = waiter
@@ -191,7 +200,7 @@ class TicketWait:
 
     def step(self, kind: str) -> Any:
         """Run a "look" or a "try" step in this thread (see :func:`step`)."""
-        return step(kind, self.place, self.req)
+        return step(kind, self.place, self.req, self.turns)
 
     def _run(self, deadline: Deadline, policy: RetryInterval) -> Generator[Step, Any, Grant | None]:
         payload = queue.wake_payload(self.ticket)
@@ -258,25 +267,26 @@ def plan(
         attempt += 1
 
 
-def step(kind: str, place: Place, req: Request) -> Any:
+def step(kind: str, place: Place, req: Request, turns: Turns) -> Any:
     """A waiter's look ("look": a read, and the ticket's renewal when due) or
     try ("try": take the lease with the ticket); an :class:`Outage` if the
     database is away."""
     try:
         if kind == "try":
-            return try_acquire(req, place.ticket)
+            return turns.try_acquire(req, place.ticket)
         now = time.monotonic()
         if now - place.renewed >= queue.renew_every():
             queue.beat(req, place.ticket)
             place.renewed = now
-        return look(req, place.ticket)
+        return turns.look(req, place.ticket)
     except DatabaseUnavailable as exc:
         logger.warning("django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc)
         return Outage(exc)
 
 
 def look(req: Request, ticket: int) -> Look:
-    """One read: seconds until the lease ends, and whether a live ticket is ahead."""
+    """One read of a lock's waiter: seconds until the lease ends, and whether a
+    live ticket is ahead."""
     found = read(
         req.alias,
         f"SELECT (SELECT {{left}} FROM {TABLE} WHERE name = %s), "
