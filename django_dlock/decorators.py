@@ -53,11 +53,16 @@ from django_dlock._http import (
     release_on_close,
     resource_of,
 )
-from django_dlock.exceptions import MissingKeyArgument, StrategyNotSupported
+from django_dlock.exceptions import (
+    MissingKeyArgument,
+    SemaphoreNotSupported,
+    StrategyNotSupported,
+)
 from django_dlock.locks import Lock
 from django_dlock.validation import (
     alias_error,
     contention_policy_error,
+    permits_error,
     retry_after_error,
     strategy_error,
     timeout_error,
@@ -81,12 +86,30 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def options_error(
-    *, timeout: object, ttl: object, strategy: object, using: object
+    *, timeout: object, ttl: object, strategy: object, using: object, permits: object = None
 ) -> Exception | None:
     """The error for explicit lock options that are invalid, or ``None``.
 
     Reads no ``DLOCK_*`` setting: only the values given are checked.
+    ``permits`` (not ``None``): the lock is a semaphore of that many permits.
     """
+    if permits is not None:
+        problem = permits_error(permits)
+        if problem is not None:
+            return ValueError(problem)
+        if using is not None and not isinstance(using, str):
+            return SemaphoreNotSupported(
+                "a semaphore cannot be a quorum lock (using=[...]): a majority of "
+                "databases can agree on each permit, but not on how many are held"
+            )
+        if isinstance(strategy, str) and strategy_error(strategy) is None:
+            from django_dlock.strategies import counts_permits
+
+            if not counts_permits(strategy):
+                return SemaphoreNotSupported(
+                    f"the {strategy} strategy cannot count permits: a semaphore needs "
+                    "the lease strategy (strategy='lease')"
+                )
     if using is not None and not isinstance(using, str):  # a quorum: using=[...]
         from django_dlock.locks import _quorum_of
 
@@ -166,6 +189,7 @@ class _WithLock:
         using: str | list[str] | tuple[str, ...] | None,
         on_contention: ContentionPolicy,
         retry_after: int | None,
+        permits: int | None = None,
     ) -> None:
         if callable(key):
             self.template: KeyTemplate | None = None
@@ -183,9 +207,12 @@ class _WithLock:
         # (DLOCK_DEFAULT_*) are read and checked at the first call, so that
         # importing a module of decorated views never fails on settings and
         # ``manage.py check`` can report them (dlock.E001-E004).
-        error = options_error(timeout=timeout, ttl=ttl, strategy=strategy, using=using)
+        error = options_error(
+            timeout=timeout, ttl=ttl, strategy=strategy, using=using, permits=permits
+        )
         if error is not None:
             raise error
+        self.permits = permits
         problem = contention_policy_error(on_contention, timeout)
         if problem is None:
             problem = retry_after_error(retry_after)
@@ -211,6 +238,10 @@ class _WithLock:
                 key = self.template.render(kwargs, where="the view's URL kwargs")
             else:
                 key = self.template.render(_call_values(sig, args, kwargs))
+        if self.permits is not None:
+            from django_dlock.semaphores import Semaphore
+
+            return Semaphore(key, permits=self.permits, **self.options)
         return Lock(key, **self.options)
 
     def contention(
@@ -293,6 +324,7 @@ def with_lock(
     using: str | list[str] | tuple[str, ...] | None = None,
     on_contention: ContentionPolicy = 423,
     retry_after: int | None = 1,
+    permits: int | None = None,
 ) -> Callable[[F], F]:
     """Hold a lock while a view (or a plain function) runs.
 
@@ -323,6 +355,9 @@ def with_lock(
             whose return value it then returns.
         retry_after: seconds for the ``Retry-After`` header (``None``: no
             header).
+        permits: let up to this many calls run at once (a
+            :class:`~django_dlock.Semaphore` of the key): the next one gets
+            the contention answer (423) while all permits are taken.
 
     Raises:
         KeyTemplateError: the template is malformed or uses more than plain
@@ -331,7 +366,9 @@ def with_lock(
             decorated function cannot receive (at decoration), or that a
             call does not have (at the call).
         ValueError: an option is out of range (at decoration).
-        StrategyNotSupported: ``strategy`` is unknown (at decoration).
+        StrategyNotSupported: ``strategy`` is unknown (at decoration);
+            :class:`~django_dlock.SemaphoreNotSupported` with ``permits``, a
+            strategy other than ``lease`` or a quorum.
 
     Options left out are read from the ``DLOCK_DEFAULT_*`` settings at the
     first call, never at decoration: importing a module of decorated views
@@ -345,6 +382,7 @@ def with_lock(
         using=using,
         on_contention=on_contention,
         retry_after=retry_after,
+        permits=permits,
     )
 
     def decorator(func: F) -> F:

@@ -96,6 +96,7 @@ RULE_KEYS = frozenset(
         "using",
         "on_contention",
         "retry_after",
+        "permits",
     }
 )
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"})
@@ -113,6 +114,8 @@ class Rule:
     options: dict[str, Any]
     on_contention: ContentionPolicy
     retry_after: int | None
+    #: let this many requests hold the key at once (a semaphore), else a lock
+    permits: int | None = None
 
     @property
     def url_names(self) -> tuple[str, ...]:
@@ -168,7 +171,12 @@ class Rule:
         if values is None:
             return None
         where = f"request {request.path_info!r} (DLOCK_MIDDLEWARE_RULES[{self.index}])"
-        return Lock(self.template.render(values, where=where), **self.options)
+        key = self.template.render(values, where=where)
+        if self.permits is not None:
+            from django_dlock.semaphores import Semaphore
+
+            return Semaphore(key, permits=self.permits, **self.options)
+        return Lock(key, **self.options)
 
     def contention(self, lk: Lock, request: HttpRequest) -> Contention:
         return Contention(
@@ -251,6 +259,13 @@ def _rule_problems(index: int, raw: object) -> list[tuple[str, str]]:
     using = raw.get("using")
     if using is not None:
         option_problems.append(alias_error(using))
+    if raw.get("permits") is not None:
+        from django_dlock.decorators import options_error
+
+        error = options_error(
+            timeout=0, ttl=None, strategy=raw.get("strategy"), using=using, permits=raw["permits"]
+        )
+        option_problems.append(None if error is None else str(error))
     name = raw.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         option_problems.append(f"name must be a non-empty string, got {name!r}")
@@ -327,6 +342,7 @@ def compile_rules(raw_rules: object) -> tuple[Rule, ...]:
                 },
                 on_contention=_contention_policy(raw.get("on_contention", 423)),
                 retry_after=raw.get("retry_after", 1),
+                permits=raw.get("permits"),
             )
         )
     return tuple(rules)

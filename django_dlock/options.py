@@ -80,4 +80,5 @@ class Options:
             ttl=self.lease_ttl,
             shared=self.shared,
             hold_at_least=self.hold_at_least,
+            row=key.name,
         )

@@ -29,8 +29,8 @@ from django_dlock.conf import UNSET, RetryInterval
 from django_dlock.exceptions import LockLost, SemaphoreNotSupported
 from django_dlock.keys import LockKey
 from django_dlock.locks import Lock, OnFail
-from django_dlock.strategies import counts_permits, supported
-from django_dlock.strategies.base import CountsPermits, Strategy
+from django_dlock.strategies import counts_permits, supported, with_permits
+from django_dlock.strategies.base import Strategy
 from django_dlock.validation import permits_error, validated
 
 __all__ = ["Semaphore", "semaphore"]
@@ -155,10 +155,7 @@ class Semaphore(Lock[_OnFailT]):
             raise _refuse(strategy)
 
     def _strategy(self, alias: str) -> Strategy:
-        found = supported(self.strategy_name, alias)
-        if not isinstance(found, CountsPermits):
-            raise _refuse(self.strategy_name)
-        return found.with_permits(self.permits)
+        return with_permits(supported(self.strategy_name, alias), self.permits)
 
     def __repr__(self) -> str:
         keys = "<decorator>" if self._keys is None else self.name

@@ -81,6 +81,43 @@ class Inside:
         os.remove(self.path)
 
 
+class Counted:
+    """Counts runs inside at once across processes (a file under flock); logs
+    ``inside <key> <n>`` as each run starts."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.path = f"{LOG}.{key}.count"
+
+    def _change(self, by: int) -> int:
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            now = int(os.read(fd, 32) or b"0") + by
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.ftruncate(fd, 0)
+            os.write(fd, str(now).encode())
+            return now
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> None:
+        log("inside", self.key, self._change(+1))
+
+    def __exit__(self, *exc: object) -> None:
+        self._change(-1)
+        log("end", self.key)
+
+
+@app.task(base=SingleInstanceTask, lock_args=["key"], lock_permits=2)
+def limited(key: str, seconds: float) -> str:
+    with Counted(key):
+        time.sleep(seconds)
+    return key
+
+
 @app.task(base=SingleInstanceTask, lock_args=["key"])
 def exclusive(key: str, seconds: float) -> str:
     with Inside(key):

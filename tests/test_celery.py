@@ -164,6 +164,25 @@ def test_concurrent_calls_skip_or_retry_one_run_at_a_time(celery):
     wait_until(lambda: not lease('celery:tests.celery_app.exclusive_retry:"k2"').token)
 
 
+def test_lock_permits_lets_that_many_runs_run_at_once(celery):
+    """``lock_permits=2``: two runs of the task at once across the worker's
+    processes, never three; the other calls are skipped."""
+    app = tasks()
+    celery.worker(concurrency=4)
+    for _ in range(8):
+        app.limited.apply_async(("k9", 0.8), queue=QUEUE)
+    wait_until(lambda: celery.count("inside", "k9") + celery.count("skip") == 8, timeout=60)
+    wait_until(lambda: celery.count("end", "k9") == celery.count("inside", "k9"))
+    most = max(int(line[2]) for line in celery.lines() if line[:2] == ["inside", "k9"])
+    assert most == 2, celery.output()
+    assert celery.count("skip") >= 1
+    assert all(
+        line[1] == 'semaphore:celery:tests.celery_app.limited:"k9"'
+        for line in celery.lines()
+        if line[0] == "skip"
+    )
+
+
 def test_the_lease_is_renewed_while_a_task_runs_past_its_ttl(celery):
     app = tasks()
     celery.worker(concurrency=2)
@@ -238,6 +257,12 @@ def test_bad_options_are_named_before_any_sql(django_assert_num_queries):
     @app.task(base=SingleInstanceTask, once_per=60, on_locked="retry")
     def digest() -> None: ...
 
+    @app.task(base=SingleInstanceTask, once_per=60, lock_permits=2)
+    def report() -> None: ...
+
+    @app.task(base=SingleInstanceTask, lock_permits=0)
+    def export() -> None: ...
+
     with django_assert_num_queries(0):
         with pytest.raises(ValueError, match=r"lock_args .* 'invoice', which is not an argument"):
             charge(42)
@@ -245,6 +270,10 @@ def test_bad_options_are_named_before_any_sql(django_assert_num_queries):
             sync()
         with pytest.raises(ValueError, match="once_per .* cannot be combined"):
             digest()
+        with pytest.raises(ValueError, match="lock_permits cannot be combined"):
+            report()
+        with pytest.raises(ValueError, match="permits must be between 1 and 1000"):
+            export()
 
 
 def worker_of(celery: Processes, pid: int) -> subprocess.Popen[bytes]:

@@ -47,7 +47,14 @@ def _blocked_by(alias: str, pid: int) -> bool:
 
 
 def _request(name: str, token: str, alias: str = "default") -> Request:
-    return Request(key=make_key(name), alias=alias, token=token, owner=f"test {token}", ttl=30)
+    return Request(
+        key=make_key(name),
+        alias=alias,
+        token=token,
+        owner=f"test {token}",
+        ttl=30,
+        row=make_key(name).name,
+    )
 
 
 def _in_background(func: Any) -> tuple[threading.Thread, list[Any]]:

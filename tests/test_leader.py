@@ -194,7 +194,14 @@ def test_a_standby_takes_over_an_expired_lease(alias):
     from django_dlock.strategies.base import Request
     from django_dlock.strategies.lease import lease
 
-    dead = Request(make_key("sched", "leader"), alias, "dead-token", "dead host pid=1", 1.0)
+    dead = Request(
+        make_key("sched", "leader"),
+        alias,
+        "dead-token",
+        "dead host pid=1",
+        1.0,
+        row="leader:sched",
+    )
     dead_term = lease.try_acquire(dead)
     assert dead_term is not None
     events: list = []

@@ -82,7 +82,9 @@ def test_a_ticket_renewal_on_a_locked_sqlite_database_never_puts_the_ticket_back
     from django_dlock.strategies.base import Request
     from django_dlock.strategies.connection import statement_deadline
 
-    req = Request(make_key("renewed"), "sqlite", "token-1", "owner", 30.0, False)
+    req = Request(
+        make_key("renewed"), "sqlite", "token-1", "owner", 30.0, False, row="lock:renewed"
+    )
     ticket = queue.enqueue(req)
     blocker = sqlite3.connect(
         connections["sqlite"].settings_dict["NAME"], timeout=5, check_same_thread=False

@@ -31,11 +31,14 @@ A task with ``base=SingleInstanceTask`` holds a lease lock while it runs:
   alongside another run;
 * ``once_per=seconds`` makes it a :class:`~django_dlock.TaskLock`: the task
   runs at most once per that many seconds, however many beat processes (or
-  callers) send it. A run that is skipped returns ``None``.
+  callers) send it. A run that is skipped returns ``None``;
+* ``lock_permits=N`` lets up to N runs of the task (per key) run at once
+  across every worker, a :class:`~django_dlock.Semaphore`: the next call is
+  skipped or retried as above.
 
 Options (task attributes, so ``@app.task(base=SingleInstanceTask, ...)``
 accepts them): ``lock_args``, ``lock_ttl``, ``lock_timeout``, ``on_locked``,
-``lock_retry_countdown``, ``once_per``, ``lock_using``.
+``lock_retry_countdown``, ``once_per``, ``lock_using``, ``lock_permits``.
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ _RUNNING: ContextVar[Lock | None] = ContextVar("django_dlock_celery_running", de
 
 
 class SingleInstanceTask(Task):  # type: ignore[misc]
-    """A Celery task base class: one run at a time per key, renewed while it runs."""
+    """A Celery task base class: one run at a time per key (or ``lock_permits``
+    runs), renewed while it runs."""
 
     abstract = True
 
@@ -154,6 +158,8 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
     once_per: float | None = None
     #: database alias of the lock (default: the router's choice)
     lock_using: str | None = None
+    #: let up to this many runs (per key) run at once, a semaphore; ``None``: one
+    lock_permits: int | None = None
 
     def lock_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """``celery:<task name>[:<value>...]`` for the values named in ``lock_args``.
@@ -196,6 +202,11 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
             )
         ttl = conf.DEFAULT_TTL if self.lock_ttl is None else self.lock_ttl
         if self.once_per is not None:
+            if self.lock_permits is not None:
+                raise ValueError(
+                    f"task {self.name!r}: once_per runs at most once per interval; "
+                    "lock_permits cannot be combined with it"
+                )
             if self.on_locked != "skip":
                 raise ValueError(
                     f"task {self.name!r}: once_per runs at most once per interval and skips "
@@ -213,6 +224,17 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
             # until that lease can have run out (its last renewal gave it at most
             # ``ttl`` seconds) rather than skip the one delivery left of the task.
             timeout = max(timeout, ttl + max(2.0, ttl / 4))
+        if self.lock_permits is not None:
+            from django_dlock.semaphores import Semaphore
+
+            return Semaphore(
+                key,
+                permits=self.lock_permits,
+                ttl=ttl,
+                timeout=timeout,
+                using=self.lock_using,
+                renew=True,
+            )
         return Lock(key, ttl=ttl, timeout=timeout, using=self.lock_using, renew=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -266,7 +266,12 @@ class Campaign:
         prefix = ADVISORY_TOKEN if self.strategy == "advisory" else ""
         token = f"{prefix}{worker().bits}-{secrets.token_hex(8)}"
         return Request(
-            key=self.key, alias=self.alias, token=token, owner=self.identity, ttl=self.lease
+            key=self.key,
+            alias=self.alias,
+            token=token,
+            owner=self.identity,
+            ttl=self.lease,
+            row=self.key.name,
         )
 
     def _main(self) -> None:

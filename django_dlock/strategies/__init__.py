@@ -22,7 +22,14 @@ from django_dlock.validation import strategy_error
 if TYPE_CHECKING:
     from django_dlock.strategies.base import Strategy
 
-__all__ = ["REGISTRY", "counts_permits", "implementation", "supported", "traits"]
+__all__ = [
+    "REGISTRY",
+    "counts_permits",
+    "implementation",
+    "supported",
+    "traits",
+    "with_permits",
+]
 
 #: ``"*"``: one implementation for every database (it checks which it can do)
 ANY = "*"
@@ -138,6 +145,25 @@ def counts_permits(name: str) -> bool:
     from django_dlock.strategies.base import CountsPermits
 
     return isinstance(_any_implementation(name), CountsPermits)
+
+
+def with_permits(strategy: Strategy, permits: int) -> Strategy:
+    """``strategy`` handing out ``permits`` holdings of a key at once (a semaphore).
+
+    Raises:
+        SemaphoreNotSupported: the strategy cannot count permits.
+    """
+    from django_dlock.exceptions import SemaphoreNotSupported
+    from django_dlock.strategies.base import CountsPermits
+
+    if not isinstance(strategy, CountsPermits):
+        raise SemaphoreNotSupported(
+            f"the {strategy.name} strategy cannot count permits: a semaphore needs the "
+            "lease strategy (strategy='lease')"
+        )
+    module, _, attribute = strategy.permits_by.partition(":")
+    made: Strategy = getattr(import_module(module), attribute)(permits)
+    return made
 
 
 def _any_implementation(name: str) -> Strategy:

@@ -8,7 +8,7 @@ deadline for poolers in :mod:`django_dlock.strategies.connection`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeGuard, runtime_checkable
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -53,15 +53,10 @@ class Request:
     #: (database time): :class:`~django_dlock.TaskLock`'s ``min_hold``. Only
     #: leased strategies honour it.
     hold_at_least: float = 0.0
-    #: the lease row a semaphore's permit was granted on (set by the
-    #: strategy with the grant); empty for a lock, whose row is its key's
-    slot: str = ""
-
-    @property
-    def row(self) -> str:
-        """The name of the lease row this holding occupies: the permit's slot
-        for a semaphore, else the key's name."""
-        return self.slot or self.key.name
+    #: the name of the lease row the holding occupies: the key's name for a
+    #: lock; for a semaphore, the row of the permit it was granted (set by
+    #: the strategy with the grant)
+    row: str = field(kw_only=True)
 
 
 @runtime_checkable
@@ -126,11 +121,15 @@ class TakesTickets(Protocol):
 @runtime_checkable
 class CountsPermits(Protocol):
     """A strategy that can let several holders hold one key, up to a count
-    (a semaphore's permits): ``lease``, where each permit is a lease row."""
+    (a semaphore's permits): ``lease``, where each permit is a lease row.
 
-    def with_permits(self, permits: int) -> Strategy:
-        """The strategy that hands out ``permits`` holdings of a key at once."""
-        ...
+    ``permits_by`` names, as ``"module:function"``, the function that gives
+    the strategy handing out ``permits`` holdings of a key at once
+    (``function(permits) -> Strategy``); it is imported on first use, like
+    the strategies of the registry.
+    """
+
+    permits_by: str
 
 
 class Strategy(Protocol):

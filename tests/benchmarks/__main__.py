@@ -2,7 +2,8 @@
 
 Options: ``--quick`` (fewer, shorter rounds: a smoke run), ``--rounds``,
 ``--seconds`` (per round), ``--only SECTION`` (repeatable: uncontended,
-handoff, queue, scale, failover, scaling, memory, quorum, guard), ``--no-write``
+handoff, queue, scale, failover, scaling, memory, quorum, guard, semaphore),
+``--no-write``
 (print only).
 """
 
@@ -23,6 +24,7 @@ ALL = (
     "memory",
     "quorum",
     "guard",
+    "semaphore",
 )
 
 
@@ -137,6 +139,16 @@ def main(argv: list[str] | None = None) -> int:
             *guarded_writes.INTRO,
             "",
             *guarded_writes.run_apart(args.rounds, args.seconds),
+        ]
+
+    if "semaphore" in only:
+        from . import semaphores
+
+        print("semaphores ...", file=sys.stderr)
+        sections["10. Semaphores (a permit against a lock)"] = [
+            *semaphores.INTRO,
+            "",
+            *semaphores.run_apart(args.rounds, args.seconds),
         ]
 
     sections = {

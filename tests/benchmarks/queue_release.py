@@ -33,7 +33,14 @@ def _times(name: str, rounds: int) -> list[float]:
     from django_dlock.strategies.base import Request
     from django_dlock.strategies.lease import lease
 
-    req = Request(key=make_key(name), alias="default", token="bench-q", owner="bench", ttl=60)
+    req = Request(
+        key=make_key(name),
+        alias="default",
+        token="bench-q",
+        owner="bench",
+        ttl=60,
+        row=make_key(name).name,
+    )
     samples = []
     for _ in range(rounds):
         if lease.try_acquire(req, ticket=0) is None:

@@ -8,15 +8,17 @@ the semaphore at once; a holder that dies frees its slot when its lease
 runs out, judged on the database clock. Everything a lock's lease does,
 a permit does on its slot row (extend, renew, release, ``owned()``, the
 loss reasons, ``guard()``): the grant records the slot in the request
-(:attr:`~django_dlock.strategies.base.Request.slot`) and the lease code
+(:attr:`~django_dlock.strategies.base.Request.row`) and the lease code
 acts on that row.
 
 Waiting is the lock's queue, first come, first served: the semaphore's
 waiters take tickets under the semaphore's own name, and a caller takes a
 free slot only when fewer live tickets are ahead of it than slots are
 free (a newcomer has every live ticket ahead), so a waiter that needs a
-permit is never overtaken by a newcomer. A permit's release wakes the head
-of the semaphore's queue (PostgreSQL); elsewhere waiters poll.
+permit is never overtaken by a newcomer. On PostgreSQL a permit's release
+wakes the head of the semaphore's queue, and a waiter granted a permit
+wakes as many waiters behind it as permits are still free (so permits
+freed together are all handed on); elsewhere waiters poll.
 
 A take is one statement on PostgreSQL and SQLite (an upsert of the first
 free slot, guarded like a lock's, so two callers racing for the same slot
@@ -100,8 +102,15 @@ taken AS (
         expire_at = EXCLUDED.expire_at
     WHERE l.token = EXCLUDED.token OR l.expire_at <= {now}
     RETURNING l.name, l.fence{returning}),
-gone AS (DELETE FROM {WAITERS} WHERE id = %s AND EXISTS (SELECT 1 FROM taken))
-SELECT (SELECT name FROM taken), (SELECT fence FROM taken), EXISTS (SELECT 1 FROM pick)
+gone AS (DELETE FROM {WAITERS} WHERE id = %s AND EXISTS (SELECT 1 FROM taken)),
+wake AS (
+    SELECT pg_notify('{queue.CHANNEL}', '{queue.WAKE_PREFIX}' || w.id) FROM (
+        SELECT w.id FROM {WAITERS} w
+        WHERE w.name = %s AND w.expire_at > {now} AND w.id > %s
+        ORDER BY w.id LIMIT GREATEST(0, %s - 1 - (SELECT count(*) FROM live))
+    ) w WHERE EXISTS (SELECT 1 FROM taken))
+SELECT (SELECT name FROM taken), (SELECT fence FROM taken), EXISTS (SELECT 1 FROM pick),
+       (SELECT count(*) FROM wake)
 """
 
 
@@ -181,7 +190,7 @@ class PermitStrategy(LeaseStrategy):
     def try_acquire(self, req: Request, ticket: int | None = None) -> int | None:
         """Take a free permit (or the caller's own live one); the fencing number.
 
-        The slot is recorded in ``req.slot``. Without ``ticket`` (a newcomer)
+        The permit's row is recorded in ``req.row``. Without ``ticket`` (a newcomer)
         every live ticket is ahead; with it, the granted ticket is deleted.
         """
         fence, _ = with_reconnect(
@@ -212,10 +221,13 @@ class PermitStrategy(LeaseStrategy):
                         req.owner,
                         req.ttl,
                         -1 if ticket is None else ticket,
+                        req.key.name,
+                        place,
+                        self.permits,
                     ],
                     True,
                 )
-                slot, fence, picked = found
+                slot, fence, picked, _ = found
                 if slot is None and picked:
                     continue  # another caller took that slot first: look again
             elif vendor == "sqlite":
@@ -241,7 +253,7 @@ class PermitStrategy(LeaseStrategy):
                 slot, fence = self._mysql_take(connection, req, slots, place, ticket)
             if slot is None:
                 return None
-            req.slot = str(slot)
+            req.row = str(slot)
             return int(fence)
         return None
 

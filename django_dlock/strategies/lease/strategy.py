@@ -119,15 +119,11 @@ class LeaseStrategy:
     #: a lease outlives the caller's transaction (released or expired, never rolled back)
     transaction_scoped = False
     leased = True
+    #: a semaphore's permits: a lease row each (CountsPermits)
+    permits_by = "django_dlock.strategies.lease.permits:permit_strategy"
 
     def ended(self, req: Request) -> bool:
         return False  # a lease ends by release, expiry or takeover, never on its own
-
-    def with_permits(self, permits: int) -> Strategy:
-        """This strategy handing out ``permits`` leases of a key (a semaphore)."""
-        from django_dlock.strategies.lease.permits import permit_strategy
-
-        return permit_strategy(permits)
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         if connection.vendor not in ("postgresql", "sqlite", "mysql"):
