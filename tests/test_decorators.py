@@ -62,6 +62,35 @@ def contend(request: Callable[[], Any], n: int = N) -> list[Any]:
     return results
 
 
+def contend_permits(request: Callable[[], Any], permits: int, n: int = 5) -> list[Any]:
+    """Send ``n`` requests at once; ``permits`` of them get in and are held at the
+    gate until the others have answered."""
+    PROBE.reset()
+    PROBE.close_gate()
+    results: list[Any] = []
+    mutex = threading.Lock()
+
+    def worker() -> None:
+        try:
+            result = request()
+        finally:
+            connections.close_all()
+        with mutex:
+            results.append(result)
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: PROBE.entered == permits and len(results) == n - permits, 60)
+    finally:
+        PROBE.gate.set()
+        for thread in threads:
+            thread.join(60)
+    assert len(results) == n
+    return results
+
+
 def statuses(responses: list[Any]) -> list[int]:
     return sorted(r.status_code for r in responses)
 
@@ -78,6 +107,16 @@ def test_concurrent_requests_one_proceeds_the_rest_get_423():
     # released when the response was returned
     assert not dlock.lock("invoice:42").locked()
     assert Client().post("/invoice/42/").status_code == 200
+
+
+def test_permits_let_that_many_requests_in_and_answer_423_to_the_rest():
+    responses = contend_permits(lambda: Client().post("/export/csv/"), permits=2)
+    assert statuses(responses) == [200, 200, 423, 423, 423]
+    assert PROBE.max_active == 2
+    refused = [r for r in responses if r.status_code == 423]
+    assert all(r["Retry-After"] == "1" and b'"export:csv"' in r.content for r in refused)
+    assert not dlock.semaphore("export:csv", permits=2).locked()
+    assert Client().post("/export/csv/").status_code == 200
 
 
 def test_different_kwargs_do_not_contend():
@@ -261,6 +300,9 @@ def test_bad_rendered_keys_become_digests():
         ({"timeout": -1}, ValueError),
         ({"using": "nope"}, ValueError),
         ({"strategy": "zookeeper"}, dlock.StrategyNotSupported),
+        ({"permits": 0}, ValueError),
+        ({"permits": 2, "strategy": "advisory"}, dlock.SemaphoreNotSupported),
+        ({"permits": 2, "using": ["q1", "q2", "q3"]}, dlock.SemaphoreNotSupported),
     ],
 )
 def test_bad_options_are_refused_at_decoration(options, error):

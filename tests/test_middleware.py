@@ -16,7 +16,7 @@ from django.test import AsyncClient, Client, override_settings
 import django_dlock as dlock
 
 from .helpers import in_thread, wait_until
-from .test_decorators import contend, statuses
+from .test_decorators import contend, contend_permits, statuses
 from .views import PROBE
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -26,6 +26,7 @@ RULES = [
     {"path": r"^/checkout/$", "methods": ["POST"], "key": "checkout:{user}", "name": "checkout"},
     {"path": r"^/checkout/async/$", "methods": ["post"], "key": "acheckout:{user}"},
     {"path": r"^/shop/", "key": "shop:{shop}:{ip}", "retry_after": 5},
+    {"path": r"^/limited/", "key": "limited", "name": "limited", "permits": 2},
 ]
 
 
@@ -57,6 +58,22 @@ def test_same_user_is_serialised():
     # the body names the rule, never the rendered key
     assert all(b'"checkout"' in r.content for r in refused)
     assert not dlock.lock(f"checkout:{user.pk}").locked()
+
+
+def test_a_rule_with_permits_lets_that_many_requests_in():
+    responses = contend_permits(lambda: Client().get("/limited/1/"), permits=2)
+    assert statuses(responses) == [200, 200, 423, 423, 423]
+    assert PROBE.max_active == 2
+    assert not dlock.semaphore("limited", permits=2).locked()
+
+
+def test_a_rule_with_bad_permits_is_named():
+    from django_dlock.middleware import rule_problems
+
+    problems = rule_problems([{"path": "^/x/", "key": "x", "permits": 0}])
+    assert problems and problems[0][0] == "dlock.E025" and "permits" in problems[0][1]
+    problems = rule_problems([{"path": "^/x/", "key": "x", "permits": 2, "strategy": "row"}])
+    assert problems and "cannot count permits" in problems[0][1]
 
 
 def test_different_users_do_not_contend():

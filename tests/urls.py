@@ -15,6 +15,8 @@ urlpatterns = [
     path("invoice/<int:invoice_id>/callable/", views.invoice_callable),
     path("invoice/<int:invoice_id>/stream/", views.stream),
     path("checkout/", views.checkout),
+    path("export/<slug:fmt>/", views.export),
+    path("limited/<int:n>/", views.checkout),
     path("together/<int:n>/", views.together),
     path("checkout/async/", views.acheckout),  # type: ignore[arg-type]
     path("shop/<slug:shop>/checkout/", views.checkout),

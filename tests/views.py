@@ -71,6 +71,12 @@ def invoice(request: HttpRequest, invoice_id: int) -> HttpResponse:
     return HttpResponse(f"paid {invoice_id}")
 
 
+@with_lock("export:{fmt}", permits=2)
+def export(request: HttpRequest, fmt: str) -> HttpResponse:
+    PROBE.run()
+    return HttpResponse(f"exported {fmt}")
+
+
 @with_lock("serial:{invoice_id}", on_contention="wait", timeout=60)
 def invoice_wait(request: HttpRequest, invoice_id: int) -> HttpResponse:
     PROBE.run(hold=0.02)
