@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from io import StringIO
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from django_dlock.keys import hash64
 from django_dlock.models import FenceFloor
 from django_dlock.models import Lock as LockRow
 
-from .helpers import in_thread
+from .helpers import in_thread, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -406,3 +407,35 @@ def test_verbosity_0_from_the_command_line_prints_nothing():
         timeout=120,
     )
     assert (result.returncode, result.stdout) == (0, ""), result.stderr
+
+
+def test_dlock_show_a_semaphore_lists_its_permits_and_waiters(alias):
+    from .test_semaphore import Holder, _queued
+
+    holders = [Holder(alias, "reports", 3, ttl=60) for _ in range(3)]
+    go = threading.Event()
+
+    def wait() -> None:
+        try:
+            with dlock.semaphore("reports", permits=3, using=alias, timeout=30):
+                go.wait(30)
+        finally:
+            connections.close_all()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    try:
+        wait_until(lambda: _queued(alias, "reports") == 1)
+        out = run("dlock_show", "semaphore:reports", using=alias)
+        assert re.search(r"^permits held +3$", out, re.M), out
+        for permit in ("0", "1", "2"):
+            assert re.search(rf"^  {permit} +held +\S", out, re.M), out
+        assert re.search(r"^waiters +1$", out, re.M), out
+        assert re.search(r"^  1 +\d+ ", out, re.M), out  # position 1 of the queue
+    finally:
+        for holder in holders:
+            holder.release()
+        go.set()
+        waiter.join(30)
+    with pytest.raises(CommandError, match="no lock named 'semaphore:nothing'"):
+        run("dlock_show", "semaphore:nothing", using=alias)

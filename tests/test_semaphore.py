@@ -9,6 +9,7 @@ contract on it (tests/contract), and the loss table walks it (tests/test_loss.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import signal
@@ -139,7 +140,7 @@ class Holder:
 
         def run() -> None:
             try:
-                with sem:
+                with contextlib.suppress(dlock.LockLost), sem:  # some tests take it away
                     self.fence = sem.fence
                     self.acquired.set()
                     self.go.wait(60)
@@ -367,3 +368,39 @@ def test_other_strategies_and_quorums_are_refused(alias):
 def test_permits_must_be_a_whole_number_from_1_to_1000(permits):
     with pytest.raises(ValueError, match="permits must be"):
         dlock.semaphore("x", permits=permits)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_a_force_released_permit_wakes_the_semaphores_waiter_on_postgresql():
+    import psycopg
+
+    from django_dlock.models import Waiter
+    from django_dlock.operations import force_release
+
+    holder = Holder("default", "forced", 1, ttl=60)
+    go = threading.Event()
+
+    def wait() -> None:
+        try:
+            with dlock.semaphore("forced", permits=1, timeout=30):
+                go.wait(30)
+        finally:
+            close_private_connections()
+            connections.close_all()
+
+    params = connections["default"].get_connection_params()
+    listen = psycopg.connect(**{**params, "autocommit": True})
+    waiter = threading.Thread(target=wait)
+    try:
+        listen.execute("LISTEN django_dlock")
+        waiter.start()
+        wait_until(lambda: _queued("default", "forced") == 1)
+        ticket = Waiter.objects.using("default").get(name="semaphore:forced").id
+        assert force_release("default", names=["semaphore:forced#0"], source="test")
+        payloads = [n.payload for n in listen.notifies(timeout=10, stop_after=2)]
+        assert f"django-dlock-ticket:{ticket}" in payloads
+    finally:
+        go.set()
+        waiter.join(30)
+        holder.release()
+        listen.close()

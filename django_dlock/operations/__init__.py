@@ -29,6 +29,7 @@ from django_dlock.operations.lease_rows import (
     SecondsLeft,
     default_alias,
     find_lease,
+    find_permits,
     force_release,
     leases,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "advisory_locks",
     "default_alias",
     "find_lease",
+    "find_permits",
     "force_release",
     "leases",
     "terminate_backend",

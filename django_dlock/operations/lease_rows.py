@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,13 +47,20 @@ logger = logging.getLogger("django_dlock")
 TABLE = Lock._meta.db_table
 TOKEN_PREFIX = 8
 
+# The queue a released row's waiters are in: the row's own, or for a
+# semaphore's permit (semaphore:<key>#<n>) its semaphore's.
+_QUEUE = (
+    "CASE WHEN released.name LIKE 'semaphore:%%' "
+    "THEN regexp_replace(released.name, '#[0-9]+$', '') ELSE released.name END"
+)
+
 _PG_FORCE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE id = %s AND token = %s
     RETURNING name
 )
-SELECT pg_notify('{CHANNEL}', name), {PG_WAKE_HEAD.format(name="released.name")}
+SELECT pg_notify('{CHANNEL}', name), {PG_WAKE_HEAD.format(name=_QUEUE)}
 FROM released
 """
 
@@ -144,7 +152,7 @@ def leases(using: str, *, held_only: bool = True, limit: int | None = None) -> l
 
 def candidate_names(name: str) -> list[str]:
     """``name`` as stored, or with the ``lock:`` namespace if it has none."""
-    if name.partition(":")[0] in ("lock", "task", "leader"):
+    if name.partition(":")[0] in ("lock", "task", "leader", "semaphore"):
         return [name]
     return [name, f"lock:{name}"]
 
@@ -156,6 +164,20 @@ def find_lease(using: str, name: str) -> Lease | None:
         if row is not None:
             return Lease.of(row)
     return None
+
+
+def find_permits(using: str, name: str) -> list[Lease]:
+    """The permit rows of the semaphore named ``name`` (``"semaphore:x"``, or
+    ``"x"``), in permit order: ``semaphore:x#0``, ``#1``, ... (held or not)."""
+    stored = name if name.startswith("semaphore:") else f"semaphore:{name}"
+    pattern = re.compile(re.escape(stored) + r"#(\d+)")
+    rows = annotate_state(Lock.objects.using(using).filter(name__startswith=f"{stored}#"))
+    found = []
+    for row in rows:
+        match = pattern.fullmatch(row.name)
+        if match is not None:
+            found.append((int(match.group(1)), Lease.of(row)))
+    return [lease for _, lease in sorted(found, key=lambda each: each[0])]
 
 
 @dataclass(frozen=True)

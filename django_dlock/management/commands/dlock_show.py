@@ -21,6 +21,7 @@ LABELS = (
     "acquired at",
     "expires at",
     "expires",
+    "permits held",
     "waiters",
     "advisory key",
     "GET_LOCK name",
@@ -32,7 +33,8 @@ class Command(DlockCommand):
     help = (
         'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
         "its lease row, the waiters queued for it, and who holds its advisory lock "
-        "(PostgreSQL: or awaits it; MySQL/MariaDB: IS_USED_LOCK)."
+        "(PostgreSQL: or awaits it; MySQL/MariaDB: IS_USED_LOCK). For a semaphore "
+        '("semaphore:exports"): each permit\'s holder, and its waiters.'
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -42,6 +44,9 @@ class Command(DlockCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         using = resolve_alias(options["using"])
         name = options["name"]
+        if name.startswith("semaphore:"):
+            self._semaphore(using, name)
+            return
         lease = override.find_lease(using, name)
         advisory = []
         key = None
@@ -75,6 +80,29 @@ class Command(DlockCommand):
         if user_lock is not None and user_lock[1] is not None:
             self._field("GET_LOCK name", user_lock[0])
             self.say(f"  held by connection {user_lock[1]}")
+
+    def _semaphore(self, using: str, name: str) -> None:
+        """A semaphore: its permit rows (who holds each, until when) and its queue."""
+        permits = override.find_permits(using, name)
+        held = [lease for lease in permits if lease.state == "held"]
+        if not permits and not queue.waiters(using, [name]):
+            raise no_such_lock(name, using)
+        self._field("name", name)
+        self._field("permits held", str(len(held)))
+        rows = [
+            [
+                lease.name.rpartition("#")[2],
+                lease.state,
+                lease.owner or "-",
+                str(lease.fence),
+                seconds_text(lease),
+            ]
+            for lease in held
+        ]
+        if rows:
+            for line in table(["PERMIT", "STATE", "OWNER", "FENCE", "EXPIRES"], rows):
+                self.say(f"  {line}")
+        self._waiters(using, name)
 
     def _field(self, label: str, value: str) -> None:
         """``label  value``, every label padded to the longest one this command prints."""
