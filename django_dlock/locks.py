@@ -204,7 +204,10 @@ class Lock(Generic[_OnFailT]):
         on_fail: for the decorator: ``"raise"`` (:class:`LockTimeout`) or
             ``"skip"`` (return ``None`` without calling the function; logged
             at INFO). A ``with`` block refuses ``"skip"`` (``ValueError``).
-        shared: take a shared (read) lock where the strategy supports it.
+        shared: take a shared (read) lock: many shared holders at once, or
+            one exclusive. The ``advisory`` and ``advisory_xact`` strategies on
+            PostgreSQL have them; the others refuse ``shared=True`` with
+            :class:`StrategyNotSupported`.
 
     Arguments given are checked at once. Values that come from settings
     (``DLOCK_DEFAULT_*``, ``DLOCK_RETRY_INTERVAL``) are read when the lock is
@@ -337,6 +340,12 @@ class Lock(Generic[_OnFailT]):
         checked (before any SQL), the database and the strategy resolved."""
         alias = self.alias
         strategy = self._strategy(alias)
+        if self.shared and not strategy.shares:
+            raise StrategyNotSupported(
+                f"the {self.strategy_name} strategy on {alias!r} has no shared locks: "
+                "shared=True needs the advisory or advisory_xact strategy on PostgreSQL "
+                "(many readers or one writer); take the lock exclusively instead"
+            )
         return Options(
             keys=tuple(self.keys),
             alias=alias,

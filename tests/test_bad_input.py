@@ -95,6 +95,12 @@ def test_bad_ttl_at_extend(alias):
         ("sqlite", "advisory_xact", {}),
         ("mysql", "advisory_xact", {}),
         ("mysql", "advisory", {"shared": True}),  # GET_LOCK has no shared mode
+        # a shared lease or row lock would be an exclusive one: refused, not weakened
+        ("default", "lease", {"shared": True}),
+        ("sqlite", "lease", {"shared": True}),
+        ("mysql", "lease", {"shared": True}),
+        ("default", "row", {"shared": True}),
+        ("mysql", "row", {"shared": True}),
     ],
 )
 def test_strategy_the_database_cannot_do(alias, strategy, options):

@@ -146,6 +146,9 @@ class Strategy(Protocol):
     #: a holding runs out on its own ``ttl`` after the statement that set it
     #: (``lease``, its quorum): the holder counts its lease from when it sent it
     leased: bool
+    #: grants ``shared=True`` holdings beside each other (many readers or one
+    #: writer): PostgreSQL's ``advisory`` and ``advisory_xact``
+    shares: bool
 
     def ended(self, req: Request) -> bool:
         """Whether the database has dropped the lock on its own (no query).

@@ -110,6 +110,7 @@ class TransactionScoped:
     #: the transaction (see :meth:`ended`)
     transaction_scoped = True
     leased = False
+    shares = False
 
     def loss_reason(self, req: Request) -> str | None:
         """Nothing to add: the lock ended with its transaction."""

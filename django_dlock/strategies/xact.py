@@ -89,6 +89,7 @@ class AdvisoryXactStrategy(TransactionScoped):
 
     name = "advisory_xact"
     family = "advisory_xact"
+    shares = True
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         require_postgresql(self.name, connection)

@@ -384,6 +384,7 @@ class MySQLAdvisoryStrategy(SessionAsyncAcquire):
 
     name = "advisory"
     family = "advisory"
+    shares = False  # GET_LOCK has no shared mode
     pool_kind = MySQLPool
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:

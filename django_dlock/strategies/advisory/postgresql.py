@@ -151,6 +151,7 @@ class AdvisoryStrategy(SessionAsyncAcquire):
 
     name = "advisory"
     family = "advisory"
+    shares = True
 
     def check_supported(self, connection: BaseDatabaseWrapper) -> None:
         require_postgresql(self.name, connection)

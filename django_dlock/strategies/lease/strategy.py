@@ -119,6 +119,7 @@ class LeaseStrategy:
     #: a lease outlives the caller's transaction (released or expired, never rolled back)
     transaction_scoped = False
     leased = True
+    shares = False
     #: a semaphore's permits: a lease row each (CountsPermits)
     permits_by = "django_dlock.strategies.lease.permits:permit_strategy"
 

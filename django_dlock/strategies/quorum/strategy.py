@@ -119,6 +119,7 @@ class QuorumLease:
     name = "lease"
     transaction_scoped = False
     leased = True
+    shares = False
 
     def __init__(self, aliases: tuple[str, ...]) -> None:
         self.aliases = aliases
