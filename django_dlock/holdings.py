@@ -111,7 +111,17 @@ class Holding:
             return
         self.lost = True
         self.lost_reason = reason
-        logger.warning("django-dlock: lost %s: %s", self.name, reason)
+        logger.warning(
+            "django-dlock: lost %s: %s",
+            self.name,
+            reason,
+            extra={
+                "lock_name": self.name,
+                "lock_strategy": self.strategy.name,
+                "lock_fence": self.fence,
+                "lock_reason": reason,
+            },
+        )
         signals.lock_lost.send(
             self.sender, name=self.name, strategy=self.strategy.name, reason=reason
         )
@@ -261,7 +271,19 @@ def take(
         )
         holding.renewer = renewer
         renewer.start()
-    logger.debug("django-dlock: acquired %s (fence %s) after %.3fs", req.key.name, fence, wait)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "django-dlock: acquired %s (fence %s) after %.3fs",
+            req.key.name,
+            fence,
+            wait,
+            extra={
+                "lock_name": req.key.name,
+                "lock_strategy": strategy.name,
+                "lock_fence": fence,
+                "lock_wait": wait,
+            },
+        )
     if signals.lock_acquired.receivers:
         signals.lock_acquired.send(
             holding.sender, name=req.key.name, strategy=strategy.name, fence=fence, wait=wait
@@ -338,7 +360,18 @@ def release_one(holder: Holder, holding: Holding) -> None:
     if holding.lost:
         raise holding.error()
     held = time.monotonic() - holding.acquired_at
-    logger.debug("django-dlock: released %s after %.3fs", req.key.name, held)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "django-dlock: released %s after %.3fs",
+            req.key.name,
+            held,
+            extra={
+                "lock_name": req.key.name,
+                "lock_strategy": holding.strategy.name,
+                "lock_fence": holding.fence,
+                "lock_held": held,
+            },
+        )
     if signals.lock_released.receivers:
         signals.lock_released.send(
             holding.sender, name=req.key.name, strategy=holding.strategy.name, held=held

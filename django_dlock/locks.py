@@ -511,7 +511,7 @@ class Lock(Generic[_OnFailT]):
         busy = Attempt(opts, current_holder(), deadline).run(opts.keys)
         if busy is not None:
             _WHY_BUSY.set(self._busy_reason(opts.strategy, busy))
-            self._contended(busy.key, deadline)
+            self._contended(busy.key, deadline, opts.strategy_name)
         return busy is None
 
     async def aacquire(self, blocking: bool = True, timeout: float | None = UNSET) -> bool:
@@ -531,13 +531,12 @@ class Lock(Generic[_OnFailT]):
         busy = await Attempt(opts, current_holder(), deadline).arun(opts.keys)
         if busy is not None:
             _WHY_BUSY.set(await sync_to_async(self._busy_reason)(opts.strategy, busy))
-            self._contended(busy.key, deadline)
+            self._contended(busy.key, deadline, opts.strategy_name)
         return busy is None
 
     def _busy_reason(self, strategy: Strategy, busy: Request) -> str:
         """Why ``busy`` could not be taken, asked only if the message is logged."""
-        level = logging.INFO if self.on_fail == "skip" else logging.WARNING
-        if not isinstance(strategy, ExplainsBusy) or not logger.isEnabledFor(level):
+        if not isinstance(strategy, ExplainsBusy) or not logger.isEnabledFor(logging.INFO):
             return HELD
         if connections[busy.alias].connection is None:
             return HELD  # closed (given up at the deadline): no reconnecting for a log line
@@ -548,15 +547,20 @@ class Lock(Generic[_OnFailT]):
         except (DLockError, DatabaseError):
             return HELD
 
-    def _contended(self, key: Key, deadline: Deadline) -> None:
+    def _contended(self, key: Key, deadline: Deadline, strategy: str) -> None:
+        """Log a timed-out acquire at INFO: contention is the lock doing its job
+        (the caller gets ``False``, ``LockTimeout`` or a 423 and decides)."""
         if self.on_fail == "skip":
             return  # a skip is the expected outcome: _skipped() logs it (INFO)
-        logger.warning(
-            "django-dlock: %s %s; gave up after %.3fs",
-            key.name,
-            why_busy(),
-            deadline.elapsed(),
-        )
+        if logger.isEnabledFor(logging.INFO):
+            waited = deadline.elapsed()
+            logger.info(
+                "django-dlock: %s %s; gave up after %.3fs",
+                key.name,
+                why_busy(),
+                waited,
+                extra={"lock_name": key.name, "lock_strategy": strategy, "lock_wait": waited},
+            )
 
     # -- release and extend ---------------------------------------------------
 
@@ -877,7 +881,12 @@ class Lock(Generic[_OnFailT]):
         return bound
 
     def _skipped(self) -> None:
-        logger.info("django-dlock: skipped, %s %s", self.name, why_busy())
+        logger.info(
+            "django-dlock: skipped, %s %s",
+            self.name,
+            why_busy(),
+            extra={"lock_name": self.name, "lock_strategy": self.strategy_name},
+        )
         signals.lock_skipped.send(type(self), name=self.name, reason="held")
 
     @overload

@@ -4,6 +4,8 @@ reset, its pytest fixtures, and use from a Django ``TransactionTestCase``."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from django.test import TransactionTestCase
 
@@ -43,17 +45,21 @@ def test_a_semaphore_is_locked_when_every_permit_is_held(alias):
                 kit.assert_not_locked(sem)
 
 
-def test_expire_makes_a_held_lease_lost(alias):
+def test_expire_makes_a_held_lease_lost(alias, caplog):
     losses: list[dlock.LockLost] = []
     lk = dlock.lock("import", using=alias, ttl=60, on_lost=losses.append)
     with pytest.raises(dlock.LockLost, match="expired"), lk:
         assert kit.expire(lk) == 1
         assert lk.owned() is False
     assert len(losses) == 1
+    # logged once at WARNING, its facts as the record's attributes
+    lost = [r for r in caplog.records if r.getMessage().startswith("django-dlock: lost")]
+    assert len(lost) == 1 and lost[0].levelno == logging.WARNING
+    assert lost[0].lock_name == "lock:import" and "expired" in lost[0].lock_reason
     assert kit.expire(lk) == 0  # nothing held: nothing to end
 
 
-def test_force_release_is_an_operators_release(alias):
+def test_force_release_is_an_operators_release(alias, caplog):
     seen: list[str] = []
 
     def receiver(sender, name, source, **kwargs):
@@ -71,6 +77,9 @@ def test_force_release_is_an_operators_release(alias):
     finally:
         signals.lock_force_released.disconnect(receiver)
     assert seen == ["lock:nightly test"]
+    forced = [r for r in caplog.records if hasattr(r, "lock_source")]
+    assert len(forced) == 1 and forced[0].levelno == logging.WARNING
+    assert (forced[0].lock_name, forced[0].lock_source) == ("lock:nightly", "test")
 
 
 def test_end_session_makes_an_advisory_lock_lost(alias):

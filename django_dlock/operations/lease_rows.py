@@ -246,6 +246,12 @@ def force_release(
             item.name,
             item.owner,
             item.fence,
+            extra={
+                "lock_name": item.name,
+                "lock_fence": item.fence,
+                "lock_owner": item.owner,
+                "lock_source": source,
+            },
         )
         signals.lock_force_released.send(
             Lock,
