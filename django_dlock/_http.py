@@ -207,6 +207,12 @@ def locked_response(
     return response
 
 
+def request_label(request: HttpRequest) -> str:
+    """How a lock's owner names the request it was taken for: method and path
+    (never the query string)."""
+    return f"{request.method} {request.path}"
+
+
 def resource_of(lk: Lock) -> str:
     """The lock's key(s) as text, without the namespace prefix."""
     return ", ".join(key.unqualified for key in lk.keys)

@@ -13,3 +13,10 @@ class DLockConfig(AppConfig):
         from django_dlock import checks, metrics  # noqa: F401
 
         metrics.configure()  # DLOCK_METRICS
+
+        from django.core.signals import setting_changed
+
+        from django_dlock import identity
+
+        identity.load_holder_info()  # DLOCK_HOLDER_INFO
+        setting_changed.connect(identity.load_holder_info, dispatch_uid="django_dlock.holder_info")

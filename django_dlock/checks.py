@@ -6,7 +6,7 @@
 * ``dlock.E020``-``E027``, ``W020``-``W023``: ``DLOCK_MIDDLEWARE_RULES`` and
   the place of ``LockMiddleware``;
 * ``dlock.E030``-``E033``: ``DLOCK_WORKER_JOBS``;
-* ``dlock.E040``-``E041``: ``DLOCK_METRICS``;
+* ``dlock.E040``-``E041``: ``DLOCK_METRICS``; ``dlock.E042``: ``DLOCK_HOLDER_INFO``;
 * ``dlock.E050``, ``W050``-``W051``: connection poolers (the ``W`` ones
   connect, under ``Tags.database``);
 * ``dlock.W070``: django-dlock's tables exist (connects, under ``Tags.database``).
@@ -85,6 +85,25 @@ def check_worker_jobs(**kwargs: Any) -> list[CheckMessage]:
 def check_strategy_database(**kwargs: Any) -> list[CheckMessage]:
     """dlock.E010-E013, W010-W011: the default strategy fits the lock database."""
     return strategy_messages()
+
+
+@register(Tags.compatibility)
+def check_holder_info(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E042: ``DLOCK_HOLDER_INFO`` names a function."""
+    from django_dlock.identity import holder_info_hook
+
+    try:
+        holder_info_hook(getattr(settings, "DLOCK_HOLDER_INFO", None))
+    except (ImportError, TypeError) as exc:
+        return [
+            Error(
+                f"DLOCK_HOLDER_INFO is invalid: {exc}.",
+                hint="Set it to None, or to a function (or its dotted path) that takes "
+                "no arguments and returns the text to add to each lock's owner.",
+                id="dlock.E042",
+            )
+        ]
+    return []
 
 
 @register(Tags.compatibility)

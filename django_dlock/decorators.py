@@ -30,6 +30,7 @@ that names an argument the call does not have raises
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from django_dlock._http import (
     locked_response,
     release_as,
     release_on_close,
+    request_label,
     resource_of,
 )
 from django_dlock.exceptions import (
@@ -58,6 +60,7 @@ from django_dlock.exceptions import (
     SemaphoreNotSupported,
     StrategyNotSupported,
 )
+from django_dlock.identity import doing
 from django_dlock.locks import Lock
 from django_dlock.validation import (
     alias_error,
@@ -143,6 +146,13 @@ def _request_of(args: tuple[Any, ...]) -> HttpRequest | None:
         return first
     wrapped = getattr(first, "_request", None)  # e.g. a DRF Request
     return wrapped if isinstance(wrapped, HttpRequest) else None
+
+
+def _doing(request: HttpRequest | None) -> contextlib.AbstractContextManager[None]:
+    """For a view: its locks' owner text names the request (``POST /invoice/42/``)."""
+    if request is None:
+        return contextlib.nullcontext()
+    return doing(request_label(request))
 
 
 def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
@@ -299,7 +309,8 @@ class _WithLock:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             lk, contention = self._prepare(sig, args, kwargs)
             refused = lambda: answer_contention(self.on_contention, contention())  # noqa: E731
-            return guarded_call(lk, lambda: func(*args, **kwargs), refused)
+            with _doing(_request_of(args)):
+                return guarded_call(lk, lambda: func(*args, **kwargs), refused)
 
         return wrapper
 
@@ -310,7 +321,8 @@ class _WithLock:
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
             lk, contention = self._prepare(sig, args, kwargs)
             refused = lambda: aanswer_contention(self.on_contention, contention())  # noqa: E731
-            return await aguarded_call(lk, lambda: func(*args, **kwargs), refused)
+            with _doing(_request_of(args)):
+                return await aguarded_call(lk, lambda: func(*args, **kwargs), refused)
 
         return wrapper
 

@@ -20,17 +20,24 @@ callback the holding's owner registered in ``holder.losses``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from django_dlock.holdings import Holding
+
+
+logger = logging.getLogger("django_dlock")
 
 
 @dataclass
@@ -40,14 +47,32 @@ class Worker:
     host: str
     pid: int
     bits: str
+    #: what this process runs, when it is a management command ("manage.py migrate")
+    program: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.host} pid={self.pid}"
+        label = f"{self.host} pid={self.pid}"
+        return f"{label} {self.program}" if self.program else label
+
+
+def _program() -> str:
+    """``manage.py <command>`` (or ``django-admin <command>``) for a management
+    command's process; empty otherwise."""
+    argv = sys.argv
+    name = os.path.basename(argv[0]) if argv else ""
+    if name in ("manage.py", "django-admin") and len(argv) > 1:
+        return f"{name} {argv[1]}"[:60]
+    return ""
 
 
 def _new_worker() -> Worker:
-    return Worker(host=socket.gethostname()[:100], pid=os.getpid(), bits=secrets.token_hex(8))
+    return Worker(
+        host=socket.gethostname()[:100],
+        pid=os.getpid(),
+        bits=secrets.token_hex(8),
+        program=_program(),
+    )
 
 
 _worker = _new_worker()
@@ -87,7 +112,82 @@ class Holder:
         return f"{worker_bits or _worker.bits}-{self.bits}"
 
     def owner(self, worker_label: str | None = None) -> str:
-        return f"{worker_label or _worker.label} {self.kind}={self.label}"[:255]
+        """Who holds, as the admin and ``dlock_list`` show it: the process, the
+        thread or task, what it is doing (a request, a Celery task, a job) and
+        what ``DLOCK_HOLDER_INFO`` adds. Never the token."""
+        text = f"{worker_label or _worker.label} {self.kind}={self.label}"
+        what = _DOING.get()
+        if what is not None:
+            text = f"{text} ({what})"
+        if _info_hook is not None:
+            added = _holder_info()
+            if added:
+                text = f"{text} {added}"
+        return text[:255]
+
+
+#: what the current thread or task is doing (a request, a task, a job): part
+#: of the owner text of the locks it takes meanwhile
+_DOING: ContextVar[str | None] = ContextVar("django_dlock_doing", default=None)
+
+
+@contextlib.contextmanager
+def doing(what: str) -> Iterator[None]:
+    """Within the block, locks taken by this thread or task say ``what`` it is
+    doing in their owner text (``POST /invoice/42/``, a Celery task, a job)."""
+    token = _DOING.set(what[:120])
+    try:
+        yield
+    finally:
+        _DOING.reset(token)
+
+
+#: DLOCK_HOLDER_INFO, imported: a function () -> str | None (None: not set)
+_info_hook: Callable[[], object] | None = None
+
+
+def holder_info_hook(value: object) -> Callable[[], object] | None:
+    """``DLOCK_HOLDER_INFO``'s function: the setting itself if callable, else
+    the function its dotted path names (``None``: not set).
+
+    Raises:
+        ImportError: the path names nothing importable (check dlock.E042).
+        TypeError: it names something that cannot be called.
+    """
+    from django.utils.module_loading import import_string
+
+    if value is None:
+        return None
+    found = value if callable(value) else import_string(str(value))
+    if not callable(found):
+        raise TypeError(f"DLOCK_HOLDER_INFO names {value!r}, which is not a function")
+    return found
+
+
+def load_holder_info(**_: object) -> None:
+    """Read ``DLOCK_HOLDER_INFO``: a function (or its dotted path) called with no
+    arguments whose text is added to the owner of every lock this process
+    takes. At start-up and when the setting changes; a bad value is reported
+    by the system check dlock.E042, and leaves the owner text without it."""
+    global _info_hook
+    from django.conf import settings
+
+    try:
+        _info_hook = holder_info_hook(getattr(settings, "DLOCK_HOLDER_INFO", None))
+    except (ImportError, TypeError):
+        _info_hook = None
+
+
+def _holder_info() -> str:
+    hook = _info_hook
+    if hook is None:
+        return ""
+    try:
+        found = hook()
+    except Exception:
+        logger.exception("django-dlock: DLOCK_HOLDER_INFO raised; the owner text goes without it")
+        return ""
+    return "" if found is None else str(found)
 
 
 _threads = threading.local()

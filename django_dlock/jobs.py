@@ -31,6 +31,7 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from django_dlock.exceptions import DatabaseUnavailable, DLockError
+from django_dlock.identity import doing
 from django_dlock.leader import Leadership
 
 __all__ = [
@@ -225,7 +226,8 @@ def run_jobs(
         started = time.monotonic()
         error: BaseException | None = None
         try:
-            job.func()
+            with doing(f"job {job.path}"):
+                job.func()
         except Exception as exc:
             error = exc
             logger.exception("django-dlock: job %s raised", job.path)

@@ -60,10 +60,11 @@ from django_dlock._http import (
     acall_holding,
     answer_contention,
     call_holding,
+    request_label,
 )
 from django_dlock.conf import conf
 from django_dlock.exceptions import KeyTemplateError
-from django_dlock.identity import Holder, current_holder
+from django_dlock.identity import Holder, current_holder, doing
 from django_dlock.locks import Lock
 from django_dlock.validation import (
     alias_error,
@@ -398,7 +399,9 @@ class LockMiddleware:
         lk = None if rule is None else rule.lock(request)
         if rule is None or lk is None:
             return None
-        if not lk.acquire():
+        with doing(request_label(request)):
+            acquired = lk.acquire()
+        if not acquired:
             response: HttpResponseBase = answer_contention(
                 rule.on_contention, rule.contention(lk, request)
             )
@@ -416,7 +419,9 @@ class LockMiddleware:
         lk = await sync_to_async(rule.lock)(request) if rule.needs_session else rule.lock(request)
         if lk is None:
             return None
-        if not await lk.aacquire():
+        with doing(request_label(request)):
+            acquired = await lk.aacquire()
+        if not acquired:
             response: HttpResponseBase = await aanswer_contention(
                 rule.on_contention, rule.contention(lk, request)
             )

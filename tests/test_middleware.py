@@ -67,6 +67,22 @@ def test_a_rule_with_permits_lets_that_many_requests_in():
     assert not dlock.semaphore("limited", permits=2).locked()
 
 
+def test_a_rules_lock_names_the_request():
+    from django_dlock.models import Lock as LockRow
+
+    PROBE.reset()
+    PROBE.close_gate()
+    thread = threading.Thread(target=lambda: (Client().get("/limited/3/"), connections.close_all()))
+    thread.start()
+    try:
+        wait_until(lambda: PROBE.entered == 1)
+        owners = list(LockRow.objects.held().values_list("owner", flat=True))
+        assert [o for o in owners if o.endswith("(GET /limited/3/)")], owners
+    finally:
+        PROBE.gate.set()
+        thread.join(30)
+
+
 def test_a_rule_with_bad_permits_is_named():
     from django_dlock.middleware import rule_problems
 

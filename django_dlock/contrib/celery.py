@@ -61,6 +61,7 @@ from django_dlock import signals
 from django_dlock._http import guarded_call
 from django_dlock.conf import conf
 from django_dlock.exceptions import DLockError, InvalidLockKey
+from django_dlock.identity import doing
 from django_dlock.keys import MAX_KEY_LENGTH
 from django_dlock.locks import Lock, why_busy
 from django_dlock.tasklock import TaskLock
@@ -248,7 +249,9 @@ class SingleInstanceTask(Task):  # type: ignore[misc]
             finally:
                 _RUNNING.reset(token)
 
-        return guarded_call(lk, running, lambda: self._locked(lk), stream=False)
+        request_id = getattr(getattr(self, "request", None), "id", None)
+        with doing(f"celery {self.name}[{request_id}]" if request_id else f"celery {self.name}"):
+            return guarded_call(lk, running, lambda: self._locked(lk), stream=False)
 
     def guard(self, using: str | None = None) -> contextlib.AbstractContextManager[None]:
         """In the task's body: a transaction whose writes commit only while
