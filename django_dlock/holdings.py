@@ -120,6 +120,7 @@ class Holding:
                 "lock_strategy": self.strategy.name,
                 "lock_fence": self.fence,
                 "lock_reason": reason,
+                "lock_owner": self.request.owner,
             },
         )
         signals.lock_lost.send(
@@ -282,6 +283,7 @@ def take(
                 "lock_strategy": strategy.name,
                 "lock_fence": fence,
                 "lock_wait": wait,
+                "lock_owner": req.owner,
             },
         )
     if signals.lock_acquired.receivers:

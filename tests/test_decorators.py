@@ -403,6 +403,7 @@ def test_logging_debug_on_acquire_info_on_contention(caplog):
     assert acquired and acquired[0].levelno == logging.DEBUG
     assert acquired[0].lock_name == "lock:invoice:11" and acquired[0].lock_strategy == "lease"
     assert isinstance(acquired[0].lock_fence, int) and acquired[0].lock_wait >= 0
+    assert acquired[0].lock_owner.endswith("(POST /invoice/11/)")
     gave_up = [r for r in records if "gave up" in r.getMessage()]
     assert len(gave_up) == 1 and gave_up[0].levelno == logging.INFO
     assert gave_up[0].lock_name == "lock:invoice:11"
