@@ -74,6 +74,8 @@ def record_fenced() -> None:
     ok_call = not leadership.ended
     start = _db_now(_alias())
     ok_start = not leadership.ended
+    # (a test that freezes the leader during a job waits for this line)
+    _append(os.environ["DLOCK_TEST_RUNS"] + ".started", {"pid": os.getpid()})
     time.sleep(float(os.environ.get("DLOCK_TEST_JOB_SECONDS", "0.3")))
     end = _db_now(_alias())
     ok_end = not leadership.ended

@@ -439,3 +439,75 @@ def test_dlock_show_a_semaphore_lists_its_permits_and_waiters(alias):
         waiter.join(30)
     with pytest.raises(CommandError, match="no lock named 'semaphore:nothing'"):
         run("dlock_show", "semaphore:nothing", using=alias)
+
+
+def test_dlock_list_waiting_shows_who_waits_on_whom(alias):
+    """A held key with three waiters: its holder, then the queue in arrival order."""
+    threads = []
+
+    def wait(i: int) -> None:
+        try:
+            threading.current_thread().name = f"waiter-{i}"
+            with dlock.lock("tree", using=alias, timeout=30):
+                pass
+        finally:
+            connections.close_all()
+
+    lk = dlock.lock("tree", using=alias, ttl=60)
+    assert lk.acquire(timeout=0)
+    try:
+        for i in range(3):
+            thread = threading.Thread(target=wait, args=(i,))
+            thread.start()
+            threads.append(thread)
+            wait_until(lambda n=i + 1: waiting(alias, "lock:tree") == n)
+        out = run("dlock_list", "--waiting", using=alias)
+        assert "lock:tree: held" in out, out
+        assert re.search(r"^  holder  .*thread=MainThread  fence \d+  [\d.]+ s left$", out, re.M)
+        order = re.findall(r"^  (\d)\. ticket \d+  .*thread=waiter-(\d)  waiting since ", out, re.M)
+        assert order == [("1", "0"), ("2", "1"), ("3", "2")], out
+    finally:
+        lk.release()
+        for thread in threads:
+            thread.join(30)
+
+
+def waiting(alias: str, name: str) -> int:
+    from django_dlock.models import Waiter
+
+    return Waiter.objects.using(alias).filter(name=name).count()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_dlock_list_waiting_names_the_blocking_backend_of_an_advisory_lock():
+    from .helpers import pg_locks
+
+    holder = dlock.lock("adv-tree", strategy="advisory")
+    assert holder.acquire(timeout=0)
+    pid = holder_session_pid(holder)
+
+    def wait() -> None:
+        try:
+            with dlock.lock("adv-tree", strategy="advisory", timeout=30):
+                pass
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        wait_until(lambda: len(pg_locks("adv-tree", granted=False)) == 1)
+        out = run("dlock_list", "--waiting")
+        assert re.search(rf"^  holder  pid {pid} ", out, re.M), out
+        assert re.search(rf"^  waiting pid \d+ .* blocked by pid {pid}$", out, re.M), out
+    finally:
+        holder.release()
+        thread.join(30)
+
+
+def holder_session_pid(lk) -> int:
+    from django_dlock.strategies.advisory import sessions
+
+    found = sessions.find("default", lk.token)
+    assert found is not None
+    return int(found.backend_pid)

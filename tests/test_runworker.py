@@ -579,8 +579,9 @@ def freeze_once(
     leader = leaders(workers)[0]
     count = len(read_runs(runs))
     wait_until(lambda: len(read_runs(runs)) > count, 30)  # a run just ended
-    if during:  # the next job starts 0.2 s after this one ended: stop it half-way
-        time.sleep(JOB_INTERVAL - JOB_SECONDS + JOB_SECONDS / 2)
+    if during:  # stop the next job as soon as it has started (it then works 0.3 s)
+        started = len(read_runs(runs + ".started"))
+        wait_until(lambda: len(read_runs(runs + ".started")) > started, 30)
     try:
         new, took = failover(workers, leader, signal.SIGSTOP, bound)
     except AssertionError:

@@ -54,6 +54,10 @@ class Inside:
     def enter(self) -> int:
         return self._change(+1)
 
+    def now(self) -> int:
+        """How many are inside now (read under the lock, never a half-written file)."""
+        return self._change(0)
+
     def leave(self) -> None:
         self._change(-1)
 
@@ -63,10 +67,12 @@ class Inside:
         return now, most
 
 
-def _hold_permits(alias: str, path: str, iterations: int, permits: int) -> None:
+def _hold_permits(alias: str, path: str, iterations: int, permits: int, meet: bool = False) -> None:
     """Take a permit ``iterations`` times; inside, count the holders. A holding
     lasts long enough (20 ms) beside the grants' own cost for every permit to
-    be taken at once now and then, on SQLite too (one writer at a time)."""
+    be taken at once now and then, on SQLite too (one writer at a time). With
+    ``meet``, a holder also waits (up to 1 s) until every permit is held, so
+    that a semaphore that lets in fewer than ``permits`` cannot pass."""
     inside = Inside(path)
     for _ in range(iterations):
         with dlock.semaphore(
@@ -74,6 +80,9 @@ def _hold_permits(alias: str, path: str, iterations: int, permits: int) -> None:
         ):
             inside.enter()
             time.sleep(0.02)
+            until = time.monotonic() + 1.0
+            while meet and inside.now() < permits and time.monotonic() < until:
+                time.sleep(0.005)
             inside.leave()
 
 
@@ -91,7 +100,7 @@ def test_threads_never_hold_more_than_the_permits(alias, tmp_path):
 
     def work() -> None:
         try:
-            _hold_permits(alias, inside.path, 15, 2)
+            _hold_permits(alias, inside.path, 15, 2, meet=True)
         finally:
             close_private_connections()
             connections.close_all()
@@ -112,6 +121,12 @@ def test_asyncio_tasks_never_hold_more_than_the_permits(alias):
             async with dlock.semaphore("tasks", permits=2, using=alias, timeout=60):
                 state["inside"] += 1
                 state["most"] = max(state["most"], state["inside"])
+                # meet another holder (up to 1 s): a semaphore that let in one
+                # at a time would not pass, however slow the machine
+                for _ in range(100):
+                    if state["inside"] >= 2:
+                        break
+                    await asyncio.sleep(0.01)
                 await asyncio.sleep(0.01)
                 state["inside"] -= 1
 

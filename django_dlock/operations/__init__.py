@@ -47,6 +47,7 @@ from django_dlock.operations.mysql_user_locks import user_locks as user_locks
 from django_dlock.operations.pg_advisory import (
     AdvisoryLock,
     advisory_locks,
+    blocking_pids,
     terminate_backend,
 )
 from django_dlock.operations.pg_advisory import advisory_key as advisory_key
@@ -61,6 +62,7 @@ __all__ = [
     "Released",
     "SecondsLeft",
     "advisory_locks",
+    "blocking_pids",
     "default_alias",
     "find_lease",
     "find_permits",

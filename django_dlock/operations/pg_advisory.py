@@ -201,6 +201,19 @@ WHERE m IS NOT NULL
 """
 
 
+def blocking_pids(using: str, pids: list[int]) -> dict[int, list[int]]:
+    """For each waiting backend of ``pids``: the backends it waits for, as the
+    server says (``pg_blocking_pids``). PostgreSQL only."""
+    if not pids:
+        return {}
+    with connections[using].cursor() as cur:
+        cur.execute(
+            "SELECT p, pg_blocking_pids(p) FROM unnest(%s::int[]) AS p",
+            [list(pids)],
+        )
+        return {int(pid): sorted(int(b) for b in blockers) for pid, blockers in cur.fetchall()}
+
+
 def _key_of_name(name: str) -> tuple[int, ...] | None:
     """The advisory key of a stored name, or ``None`` if it is not one."""
     namespace, colon, rest = name.partition(":")

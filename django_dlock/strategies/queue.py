@@ -266,17 +266,19 @@ def leave(alias: str, ticket: int) -> None:
         logger.exception("django-dlock: could not delete waiter ticket %s", ticket)
 
 
-def waiters(alias: str, names: Iterable[str]) -> list[tuple[str, int, str, Any, bool]]:
-    """The queue of each key: ``(name, ticket, owner, enqueued_at, live)`` in ticket order."""
+def waiters(alias: str, names: Iterable[str] | None) -> list[tuple[str, int, str, Any, bool]]:
+    """The queue of each key (``None``: of every key): ``(name, ticket, owner,
+    enqueued_at, live)`` in ticket order."""
     from django.db.models import BooleanField, Case, Value, When
 
     from django_dlock.dbclock import DbNow
     from django_dlock.models import Waiter
 
+    found = Waiter.objects.using(alias).all()
+    if names is not None:
+        found = found.filter(name__in=list(names))
     rows = (
-        Waiter.objects.using(alias)
-        .filter(name__in=list(names))
-        .annotate(
+        found.annotate(
             live=Case(
                 When(expire_at__gt=DbNow(), then=Value(True)),
                 default=Value(False),

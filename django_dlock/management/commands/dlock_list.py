@@ -66,12 +66,21 @@ class Command(DlockCommand):
         parser.add_argument(
             "--limit", type=int, default=1000, help="at most this many lease rows (default 1000)"
         )
+        parser.add_argument(
+            "--waiting",
+            action="store_true",
+            help="who waits on whom: each key that has waiters, its holders and its queue "
+            "(lease locks and semaphores; PostgreSQL advisory locks with pg_blocking_pids)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         using = resolve_alias(options["using"])
         limit = options["limit"]
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise CommandError(f"--limit must be a whole number >= 1, got {limit!r}")
+        if options["waiting"]:
+            self._waiting(using)
+            return
         leases = override.leases(using, held_only=not options["all"], limit=limit)
         what = "Lease rows" if options["all"] else "Held leases"
         self.say(f"{what} in {using!r}: {len(leases)}")
@@ -113,6 +122,56 @@ class Command(DlockCommand):
                     self.say(line)
         if override.is_mysql(using):
             self._user_locks(using)
+
+    def _waiting(self, using: str) -> None:
+        """The blocking tree: every key with live waiters, who holds it, and its
+        queue in order; then PostgreSQL's advisory locks that are awaited."""
+        queues: dict[str, list[tuple[int, str, Any]]] = {}
+        for name, ticket, owner, since, live in queue.waiters(using, None):
+            if live:
+                queues.setdefault(name, []).append((ticket, owner, since))
+        self.say(f"Keys with waiters in {using!r}: {len(queues)}")
+        for name, waiting in sorted(queues.items()):
+            if name.startswith("semaphore:"):
+                held = [p for p in override.find_permits(using, name) if p.state == "held"]
+                self.say(f"{name}: {len(held)} permits held")
+            else:
+                lease = override.find_lease(using, name)
+                held = [] if lease is None or lease.state != "held" else [lease]
+                self.say(f"{name}: {'held' if held else 'free (handed to the head of the queue)'}")
+            for lease in held:
+                left = seconds_text(lease)
+                self.say(f"  holder  {lease.owner or '-'}  fence {lease.fence}  {left}")
+            for position, (ticket, owner, since) in enumerate(waiting, start=1):
+                since_text = since.isoformat()
+                self.say(
+                    f"  {position}. ticket {ticket}  {owner or '-'}  waiting since {since_text}"
+                )
+        if override.is_postgresql(using):
+            self._advisory_waiting(using)
+
+    def _advisory_waiting(self, using: str) -> None:
+        locks = override.advisory_locks(using)
+        awaited = sorted({lk.key for lk in locks if not lk.granted})
+        self.say(f"Advisory keys with waiters in {using!r}: {len(awaited)}")
+        if not awaited:
+            return
+        names = override.advisory_names(using, awaited)
+        blockers = override.blocking_pids(using, [lk.pid for lk in locks if not lk.granted])
+        for key in awaited:
+            here = [lk for lk in locks if lk.key == key]
+            label = names.get(key, "")
+            self.say(f"{here[0].key_text}{f' ({label})' if label else ''}:")
+            for lk in here:
+                if lk.granted:
+                    self.say(f"  holder  pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}")
+            for lk in here:
+                if not lk.granted:
+                    waits_for = ", ".join(str(pid) for pid in blockers.get(lk.pid, [])) or "-"
+                    self.say(
+                        f"  waiting pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}, "
+                        f"blocked by pid {waits_for}"
+                    )
 
     def _user_locks(self, using: str) -> None:
         found = override.user_locks(using)
