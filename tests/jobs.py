@@ -271,6 +271,7 @@ def count_guarded() -> None:
         with leadership.guard(), connection.cursor() as cur:
             cur.execute(f"SELECT n FROM {GUARDED_COUNTER} WHERE id = 1")
             value = int(cur.fetchone()[0]) + 1
+            _append(os.environ["DLOCK_TEST_RUNS"] + ".started", {"pid": os.getpid()})
             time.sleep(float(os.environ.get("DLOCK_TEST_JOB_SECONDS", "0.3")))
             cur.execute(f"UPDATE {GUARDED_COUNTER} SET n = %s WHERE id = 1", [value])
         record["committed"] = value
