@@ -57,7 +57,6 @@ from django_dlock._http import (
 )
 from django_dlock.exceptions import (
     MissingKeyArgument,
-    SemaphoreNotSupported,
     StrategyNotSupported,
 )
 from django_dlock.identity import doing
@@ -100,19 +99,11 @@ def options_error(
         problem = permits_error(permits)
         if problem is not None:
             return ValueError(problem)
-        if using is not None and not isinstance(using, str):
-            return SemaphoreNotSupported(
-                "a semaphore cannot be a quorum lock (using=[...]): a majority of "
-                "databases can agree on each permit, but not on how many are held"
-            )
-        if isinstance(strategy, str) and strategy_error(strategy) is None:
-            from django_dlock.strategies import counts_permits
+        from django_dlock.semaphores import semaphore_error
 
-            if not counts_permits(strategy):
-                return SemaphoreNotSupported(
-                    f"the {strategy} strategy cannot count permits: a semaphore needs "
-                    "the lease strategy (strategy='lease')"
-                )
+        refused = semaphore_error(strategy=strategy, using=using)
+        if refused is not None:
+            return refused
     if using is not None and not isinstance(using, str):  # a quorum: using=[...]
         from django_dlock.locks import _quorum_of
 

@@ -29,11 +29,11 @@ from django_dlock.conf import UNSET, RetryInterval
 from django_dlock.exceptions import LockLost, SemaphoreNotSupported
 from django_dlock.keys import LockKey
 from django_dlock.locks import Lock, OnFail
-from django_dlock.strategies import counts_permits, supported, with_permits
+from django_dlock.strategies import counts_permits, no_permits, supported, with_permits
 from django_dlock.strategies.base import Strategy
-from django_dlock.validation import permits_error, validated
+from django_dlock.validation import permits_error, strategy_error, validated
 
-__all__ = ["Semaphore", "semaphore"]
+__all__ = ["Semaphore", "semaphore", "semaphore_error"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,11 +45,19 @@ else:
     _OnFailT = TypeVar("_OnFailT", bound=OnFail, covariant=True)
 
 
-def _refuse(strategy: str) -> SemaphoreNotSupported:
-    return SemaphoreNotSupported(
-        f"the {strategy} strategy cannot count permits: a semaphore needs the lease "
-        "strategy (strategy='lease')"
-    )
+def semaphore_error(*, strategy: object, using: object) -> SemaphoreNotSupported | None:
+    """The error for a semaphore asked with these explicit options, or ``None``:
+    a quorum (``using=[...]``), or a strategy that cannot count permits. Reads
+    no setting (an unknown strategy is left to the lock's own check)."""
+    if using is not None and not isinstance(using, str):
+        return SemaphoreNotSupported(
+            "a semaphore cannot be a quorum lock (using=[...]): a majority of "
+            "databases can agree on each permit, but not on how many are held"
+        )
+    known = isinstance(strategy, str) and strategy_error(strategy) is None
+    if known and not counts_permits(str(strategy)):
+        return no_permits(str(strategy))
+    return None
 
 
 class Semaphore(Lock[_OnFailT]):
@@ -131,11 +139,9 @@ class Semaphore(Lock[_OnFailT]):
     ) -> None:
         validated(permits_error(permits))
         self.permits = permits
-        if isinstance(using, (list, tuple)):
-            raise SemaphoreNotSupported(
-                "a semaphore cannot be a quorum lock (using=[...]): a majority of "
-                "databases can agree on each permit, but not on how many are held"
-            )
+        refused = semaphore_error(strategy=strategy, using=using)
+        if refused is not None:
+            raise refused
         # Lock's overloads type on_fail by the instance's type parameter
         cast(Any, Lock).__init__(
             self,
@@ -151,8 +157,6 @@ class Semaphore(Lock[_OnFailT]):
             on_lost=on_lost,
             on_fail=on_fail,
         )
-        if strategy is not None and not counts_permits(strategy):
-            raise _refuse(strategy)
 
     def _strategy(self, alias: str) -> Strategy:
         return with_permits(supported(self.strategy_name, alias), self.permits)

@@ -20,12 +20,14 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.validation import strategy_error
 
 if TYPE_CHECKING:
+    from django_dlock.exceptions import SemaphoreNotSupported
     from django_dlock.strategies.base import Strategy
 
 __all__ = [
     "REGISTRY",
     "counts_permits",
     "implementation",
+    "no_permits",
     "supported",
     "traits",
     "with_permits",
@@ -147,20 +149,26 @@ def counts_permits(name: str) -> bool:
     return isinstance(_any_implementation(name), CountsPermits)
 
 
+def no_permits(name: str) -> SemaphoreNotSupported:
+    """The error for a semaphore asked of the strategy ``name``, which cannot count permits."""
+    from django_dlock.exceptions import SemaphoreNotSupported
+
+    return SemaphoreNotSupported(
+        f"the {name} strategy cannot count permits: a semaphore needs the lease "
+        "strategy (strategy='lease')"
+    )
+
+
 def with_permits(strategy: Strategy, permits: int) -> Strategy:
     """``strategy`` handing out ``permits`` holdings of a key at once (a semaphore).
 
     Raises:
         SemaphoreNotSupported: the strategy cannot count permits.
     """
-    from django_dlock.exceptions import SemaphoreNotSupported
     from django_dlock.strategies.base import CountsPermits
 
     if not isinstance(strategy, CountsPermits):
-        raise SemaphoreNotSupported(
-            f"the {strategy.name} strategy cannot count permits: a semaphore needs the "
-            "lease strategy (strategy='lease')"
-        )
+        raise no_permits(strategy.name)
     module, _, attribute = strategy.permits_by.partition(":")
     made: Strategy = getattr(import_module(module), attribute)(permits)
     return made

@@ -107,3 +107,19 @@ def ensure_databases() -> None:
             server.close()
     for alias in settings.DATABASES:
         call_command("migrate", database=alias, verbosity=0)
+
+
+def run_apart(module: str, settings: str, rounds: int, seconds: float) -> list[str]:
+    """What ``python -m <module> --rounds R --seconds S`` prints, as lines: a table
+    measured in a process of its own (with ``settings``, its own databases)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--rounds", str(rounds), "--seconds", str(seconds)],
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": settings},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.benchmarks.guard_settings")
@@ -48,22 +46,9 @@ INTRO = [
 
 def run_apart(rounds: int, seconds: float) -> list[str]:
     """The table, measured in a process of its own (it has databases of its own)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.benchmarks.semaphores",
-            "--rounds",
-            str(rounds),
-            "--seconds",
-            str(seconds),
-        ],
-        env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.benchmarks.guard_settings"},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stdout.strip().splitlines()
+    from .common import run_apart as apart
+
+    return apart("tests.benchmarks.semaphores", "tests.benchmarks.guard_settings", rounds, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

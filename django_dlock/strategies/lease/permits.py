@@ -206,46 +206,21 @@ class PermitStrategy(LeaseStrategy):
         slots = slot_names(req.key, self.permits)
         place = queue.NEWCOMER if ticket is None else ticket
         vendor = connection.vendor
+        # the parameters of the ``pick`` CTE, then of the row written
+        pick = [req.token, req.key.name, place, self.permits]
+        write = [req.token, req.owner, req.ttl]
         for _race in range(_RACES):
             if vendor == "postgresql":
-                found = fetch_one(
-                    connection,
-                    _pg_take(conf.LEASE_SYNCHRONOUS_COMMIT),
-                    [
-                        slots,
-                        req.token,
-                        req.key.name,
-                        place,
-                        self.permits,
-                        req.token,
-                        req.owner,
-                        req.ttl,
-                        -1 if ticket is None else ticket,
-                        req.key.name,
-                        place,
-                        self.permits,
-                    ],
-                    True,
-                )
+                granted = -1 if ticket is None else ticket
+                wake = [req.key.name, place, self.permits]
+                sql = _pg_take(conf.LEASE_SYNCHRONOUS_COMMIT)
+                found = fetch_one(connection, sql, [slots, *pick, *write, granted, *wake], True)
                 slot, fence, picked, _ = found
                 if slot is None and picked:
                     continue  # another caller took that slot first: look again
             elif vendor == "sqlite":
-                found = fetch_one(
-                    connection,
-                    _sqlite_take(self.permits),
-                    [
-                        *slots,
-                        req.token,
-                        req.key.name,
-                        place,
-                        self.permits,
-                        req.token,
-                        req.owner,
-                        req.ttl,
-                    ],
-                    True,
-                )
+                sql = _sqlite_take(self.permits)
+                found = fetch_one(connection, sql, [*slots, *pick, *write], True)
                 slot, fence = (None, None) if found is None else found
                 if slot is not None and ticket is not None:
                     queue.forget(connection, ticket)
@@ -281,7 +256,7 @@ class PermitStrategy(LeaseStrategy):
                             if name not in present:
                                 cur.execute(_MYSQL_CREATE, [name])
                         continue
-                    taken = self._mysql_decide(cur, req, rows, place)
+                    taken = self._mysql_decide(cur, req, slots, rows, place)
                     if taken is not None and ticket is not None:
                         cur.execute(f"DELETE FROM {WAITERS} WHERE id = %s", [ticket])
                 except IntegrityError:
@@ -295,9 +270,9 @@ class PermitStrategy(LeaseStrategy):
         return None, None
 
     def _mysql_decide(
-        self, cur: Any, req: Request, rows: list[Any], place: int
+        self, cur: Any, req: Request, slots: list[str], rows: list[Any], place: int
     ) -> tuple[str, int] | None:
-        order = {name: i for i, name in enumerate(slot_names(req.key, self.permits))}
+        order = {name: i for i, name in enumerate(slots)}
         rows = sorted(rows, key=lambda row: order[row[0]])
         own = [row for row in rows if row[1] == req.token and not row[2]]
         free = [row for row in rows if row[2]]
