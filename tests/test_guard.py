@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -274,7 +275,16 @@ def test_session_and_quorum_locks_refuse_a_guard_and_point_to_fencing(kind):
 # -- a holder paused past its lease (real processes, SIGSTOP) ----------------------------
 
 
-def _paused_holder(alias: str, folder: str, ttl: float, outer: bool) -> None:
+def _paused_lock(alias: str, permits: int | None, **options: Any) -> dlock.Lock:
+    """The lock of the paused-holder tests, or a semaphore's permit (``permits``)."""
+    if permits is None:
+        return dlock.lock("guard:paused", using=alias, **options)
+    return dlock.semaphore("guard:paused", permits=permits, using=alias, **options)
+
+
+def _paused_holder(
+    alias: str, folder: str, ttl: float, outer: bool, permits: int | None = None
+) -> None:
     """Hold the lock, write under a guard, and wait there (paused) for ``go``.
 
     ``outer``: the guard is inside an outer transaction, and the wait comes
@@ -283,7 +293,7 @@ def _paused_holder(alias: str, folder: str, ttl: float, outer: bool) -> None:
     from django_dlock.exceptions import LockLost
 
     base = Path(folder)
-    lk = dlock.lock("guard:paused", using=alias, ttl=ttl)
+    lk = _paused_lock(alias, permits, ttl=ttl)
     assert lk.acquire(timeout=10)
 
     def wait_for_go() -> None:
@@ -312,9 +322,11 @@ def _paused_holder(alias: str, folder: str, ttl: float, outer: bool) -> None:
 
 
 @contextlib.contextmanager
-def _paused(alias: str, tmp_path: Path, ttl: float, outer: bool = False) -> Iterator[Path]:
+def _paused(
+    alias: str, tmp_path: Path, ttl: float, outer: bool = False, permits: int | None = None
+) -> Iterator[Path]:
     """A holder process inside its guard (or after it, ``outer``), SIGSTOPped."""
-    proc = procs.start(_paused_holder, alias, str(tmp_path), ttl, outer)
+    proc = procs.start(_paused_holder, alias, str(tmp_path), ttl, outer, permits)
     wait_until(lambda: (tmp_path / "ready").exists(), timeout=60)
     assert proc.pid is not None
     os.kill(proc.pid, signal.SIGSTOP)
@@ -327,21 +339,23 @@ def _paused(alias: str, tmp_path: Path, ttl: float, outer: bool = False) -> Iter
         assert proc.exitcode == 0
 
 
-def _next_holder_writes(alias: str) -> None:
-    lk = dlock.lock("guard:paused", using=alias, ttl=30, timeout=45)
+def _next_holder_writes(alias: str, permits: int | None = None) -> None:
+    lk = _paused_lock(alias, permits, ttl=30, timeout=45)
     with lk, lk.guard():
         _write(alias, "B")
 
 
 @pytest.mark.slow
-def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, tmp_path):
+@pytest.mark.parametrize("permits", [None, 1], ids=["lock", "semaphore-permit"])
+def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, tmp_path, permits):
     ttl = 2.0
-    with _paused(alias, tmp_path, ttl) as folder:
+    with _paused(alias, tmp_path, ttl, permits=permits) as folder:
         if alias != "sqlite":
             # While it is frozen: its lease runs out, the next holder takes the
-            # lock, and its guarded write goes through once the server has
-            # ended the frozen holder's silent session (the bound: the lease).
-            in_thread(_next_holder_writes, alias)  # bounded: fails if it waits for the thaw
+            # lock (the permit), and its guarded write goes through once the
+            # server has ended the frozen holder's silent session (the bound:
+            # the lease).
+            in_thread(_next_holder_writes, alias, permits)  # bounded: fails if it waits
             assert _read(alias) == "B"
         else:
             # SQLite: the frozen holder keeps every writer out until it
@@ -349,7 +363,7 @@ def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, 
             time.sleep(ttl + 0.5)
     assert (folder / "outcome").read_text() == "LockLost"  # it committed nothing
     if alias == "sqlite":
-        with dlock.lock("guard:paused", using=alias, timeout=10) as lk, lk.guard():
+        with _paused_lock(alias, permits, timeout=10) as lk, lk.guard():
             _write(alias, "B")
     assert _read(alias) == "B"
 
