@@ -46,6 +46,21 @@ _SECONDS_UNTIL = {
 }
 
 
+# "the row's lease is live", for a write that names its row (by ``name``).
+# On MySQL/MariaDB a single-table UPDATE chooses its index by estimate: with
+# one live lease in the table, ``expire_at > now`` looks as selective as the
+# unique name and MariaDB scans the expire_at index, locking every live
+# lease's row it passes (other keys', other permits'). Locking rows in that
+# order deadlocked against a transaction locking a semaphore's permits in
+# name order. Compared through TIMESTAMPDIFF the column is no index range, so
+# the statement finds its row by its name alone and locks only that row.
+_LIVE_ROW = {
+    "postgresql": "expire_at > statement_timestamp()",
+    "sqlite": "expire_at > strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')",
+    "mysql": "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expire_at) > 0",
+}
+
+
 def vendor(connection: BaseDatabaseWrapper) -> str:
     if connection.vendor not in _NOW:
         from django_dlock.exceptions import StrategyNotSupported
@@ -64,6 +79,12 @@ def now_sql(connection: BaseDatabaseWrapper) -> str:
 def now_plus_sql(connection: BaseDatabaseWrapper) -> str:
     """SQL for "now + %s seconds" (takes one float parameter)."""
     return _NOW_PLUS[vendor(connection)]
+
+
+def live_row_sql(connection: BaseDatabaseWrapper) -> str:
+    """SQL for "the row's lease is live" in a write that names its row: the
+    database finds the row by its name, never by ``expire_at`` (see above)."""
+    return _LIVE_ROW[vendor(connection)]
 
 
 def seconds_until_sql(connection: BaseDatabaseWrapper, column: str) -> str:

@@ -733,6 +733,25 @@ def execute(
         return _in_own_transaction(connection, cur, sql, params)
 
 
+#: how many times a short transaction of the library's own runs when
+#: MySQL/MariaDB picks it as a deadlock's victim
+DEADLOCK_RETRIES = 5
+
+
+def deadlocked(exc: BaseException) -> bool:
+    """Whether ``exc`` says that MySQL/MariaDB rolled back the statement's
+    transaction to break a deadlock (error 1213). InnoDB treats deadlocks
+    between short transactions as a normal event: the victim did nothing,
+    and is expected to run again."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] == _MYSQL_DEADLOCK
+
+
+#: MySQL/MariaDB's ER_LOCK_DEADLOCK
+_MYSQL_DEADLOCK = 1213
+
+
 def may_prepare(connection: BaseDatabaseWrapper) -> bool:
     """Whether statements may be prepared on ``connection``'s server session
     (see :func:`execute`): PostgreSQL on psycopg 3 (else Django runs it on

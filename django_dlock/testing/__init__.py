@@ -164,13 +164,13 @@ def expire(target: Target, *, using: str | None = None) -> int:
         )
     names = [name for name, _, live in _rows(lk) if live]
     connection = connections[lk.alias]
-    now = dbclock.now_sql(connection)
+    now, live = dbclock.now_sql(connection), dbclock.live_row_sql(connection)
     table = LockRow._meta.db_table
     ended = 0
     with connection.cursor() as cur:
         for name in names:
             cur.execute(
-                f"UPDATE {table} SET expire_at = {now} WHERE name = %s AND expire_at > {now}",
+                f"UPDATE {table} SET expire_at = {now} WHERE name = %s AND {live}",
                 [name],
             )
             ended += cur.rowcount

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import IntegrityError
+from django.db import IntegrityError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.conf import conf
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Request
-from django_dlock.strategies.connection import cursor, fetch_one, with_reconnect
+from django_dlock.strategies.connection import (
+    DEADLOCK_RETRIES,
+    cursor,
+    deadlocked,
+    fetch_one,
+    with_reconnect,
+)
 from django_dlock.strategies.lease.sql import (
     MYSQL_AHEAD,
     MYSQL_FLOOR,
@@ -75,8 +81,9 @@ def acquire_on(connection: BaseDatabaseWrapper, req: Request, ticket: int | None
 def _mysql_acquire(connection: BaseDatabaseWrapper, req: Request, ticket: int | None) -> int | None:
     # One short transaction: lock the row, decide, write. A missing row
     # is inserted above the fence floor; two racing inserters are told
-    # apart by the unique index (the loser retries once).
-    for _attempt in range(2):
+    # apart by the unique index (the loser looks again), and a deadlock's
+    # victim (a cleanup locks rows in another order) runs again.
+    for _attempt in range(DEADLOCK_RETRIES):
         with cursor(connection) as cur:
             cur.execute("START TRANSACTION")
             try:
@@ -84,6 +91,11 @@ def _mysql_acquire(connection: BaseDatabaseWrapper, req: Request, ticket: int | 
             except IntegrityError:
                 cur.execute("ROLLBACK")
                 continue
+            except OperationalError as exc:
+                cur.execute("ROLLBACK")
+                if deadlocked(exc):  # rolled back whole: nothing was taken
+                    continue
+                raise
             except BaseException:
                 cur.execute("ROLLBACK")
                 raise

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from django.db import IntegrityError
+from django.db import IntegrityError, OperationalError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock
@@ -45,7 +45,13 @@ from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import HELD, Request
-from django_dlock.strategies.connection import cursor, fetch_one, with_reconnect
+from django_dlock.strategies.connection import (
+    DEADLOCK_RETRIES,
+    cursor,
+    deadlocked,
+    fetch_one,
+    with_reconnect,
+)
 from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
 from django_dlock.strategies.lease.strategy import QUEUED_AHEAD, LeaseStrategy
 from django_dlock.strategies.lease.waiting import Look
@@ -242,8 +248,10 @@ class PermitStrategy(LeaseStrategy):
     ) -> tuple[str | None, int | None]:
         # One short transaction that locks the semaphore's slot rows, decides
         # and writes. Missing slots (first use, or deleted by cleanup) are
-        # created free first, so that the lock never falls on a gap.
-        for _attempt in range(3):
+        # created free first, so that the lock never falls on a gap. A
+        # deadlock's victim (a cleanup or another statement may lock the
+        # same rows in another order) runs again.
+        for _attempt in range(DEADLOCK_RETRIES):
             with cursor(connection) as cur:
                 cur.execute("START TRANSACTION")
                 try:
@@ -262,6 +270,11 @@ class PermitStrategy(LeaseStrategy):
                 except IntegrityError:
                     cur.execute("ROLLBACK")
                     continue
+                except OperationalError as exc:
+                    cur.execute("ROLLBACK")
+                    if deadlocked(exc):  # rolled back whole: nothing was taken
+                        continue
+                    raise
                 except BaseException:
                     cur.execute("ROLLBACK")
                     raise

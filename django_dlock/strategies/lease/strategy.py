@@ -36,7 +36,6 @@ from django_dlock.strategies.base import (
     TakesTickets,
 )
 from django_dlock.strategies.connection import (
-    cursor,
     execute,
     fetch_one,
     lock_connection,
@@ -275,10 +274,9 @@ class LeaseStrategy:
             sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
             params = [req.row, req.token, req.key.name]  # wakes the key's queue
             return fetch_one(connection, sql, params) is not None
-        now = dbclock.now_sql(connection)
         sql = (
-            f"UPDATE {TABLE} SET token = '', expire_at = {now} "
-            f"WHERE name = %s AND token = %s AND expire_at > {now}"
+            f"UPDATE {TABLE} SET token = '', expire_at = {dbclock.now_sql(connection)} "
+            f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
         )
         return bool(execute(connection, sql, [req.row, req.token])[1])
 
@@ -290,14 +288,13 @@ class LeaseStrategy:
 
     def extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
         """Renew on ``connection``; ``False`` if the lease there is no longer ours."""
-        now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
         fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
         returning = f" RETURNING 1{FAST_COMMIT}" if fast else ""
         # A lease that has run out is not revived, even if nobody took it.
         sql = (
             f"UPDATE {TABLE} SET expire_at = {now_plus} "
-            f"WHERE name = %s AND token = %s AND expire_at > {now}"
+            f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
         )
         return bool(execute(connection, sql + returning, [ttl, req.row, req.token])[1])
 
@@ -325,13 +322,11 @@ class LeaseStrategy:
             "mysql": "GREATEST({now}, COALESCE(acquired_at + INTERVAL ROUND(%s * 1000000) "
             "MICROSECOND, {now}))",
         }[vendor].format(now=now)
-        with cursor(connection) as cur:
-            cur.execute(
-                f"UPDATE {TABLE} SET expire_at = {later}, token = '' "
-                f"WHERE name = %s AND token = %s AND expire_at > {now}",
-                [float(min_hold), req.row, req.token],
-            )
-            return bool(cur.rowcount)
+        sql = (
+            f"UPDATE {TABLE} SET expire_at = {later}, token = '' "
+            f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
+        )
+        return bool(execute(connection, sql, [float(min_hold), req.row, req.token])[1])
 
     def take_over(self, req: Request, over: str) -> int | None:
         """PostgreSQL: acquire like :meth:`try_acquire`, also over a live lease

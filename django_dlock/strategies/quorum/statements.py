@@ -37,11 +37,10 @@ class LiveRow:
 
 def fence_raise_sql(connection: BaseDatabaseWrapper) -> str:
     """Raise a live holding's fencing number (params: fence, name, token)."""
-    now = dbclock.now_sql(connection)
     biggest = "MAX" if connection.vendor == "sqlite" else "GREATEST"
     return (
         f"UPDATE {TABLE} SET fence = {biggest}(fence, %s) "
-        f"WHERE name = %s AND token = %s AND expire_at > {now}"
+        f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
     )
 
 

@@ -1,0 +1,158 @@
+"""What the lease statements lock on MySQL/MariaDB.
+
+InnoDB locks the rows a statement *passes*, not only the rows it changes,
+and a single-table UPDATE picks its index by estimate. With one live lease in
+the table, "expire_at > now" looked as selective as the unique name, so
+MariaDB released and extended a lease by scanning the expire_at index,
+locking every live lease it passed on the way (other keys', other permits').
+Against a semaphore's take, which locks its permits' rows in name order, that
+was a deadlock (seen under load: a holder's release failed with error 1213).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.db import OperationalError, connections, transaction
+
+import django_dlock as dlock
+from django_dlock.strategies.connection import lock_connection
+
+from .helpers import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["mysql"])
+
+ALIAS = "mysql"
+
+
+@contextmanager
+def lock_statements() -> Iterator[list[tuple[str, Any]]]:
+    """The statements the library runs on its own connection meanwhile."""
+    seen: list[tuple[str, Any]] = []
+
+    def record(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any):
+        seen.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with lock_connection(ALIAS).execute_wrapper(record):
+        yield seen
+
+
+def indexes_considered(sql: str, params: Any) -> str | None:
+    """The indexes MySQL/MariaDB could use for ``sql`` (EXPLAIN's ``possible_keys``)."""
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("EXPLAIN " + sql, params)
+        names = [column[0] for column in cur.description]
+        return cur.fetchone()[names.index("possible_keys")]
+
+
+def updates(seen: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return [(sql, params) for sql, params in seen if sql.lstrip().upper().startswith("UPDATE")]
+
+
+@pytest.mark.parametrize("operation", ["extend", "release", "release-after-min-hold", "permit"])
+def test_a_lease_write_finds_its_row_by_name_alone(operation):
+    """A write of the caller's lease can find its row only by the unique name:
+    whichever plan the optimizer picks, it locks that row alone. (Which plan
+    MariaDB picks depends on its statistics, so the test asks which indexes
+    the statement could use; the expire_at index must not be one.)"""
+    for name in ("a", "b", "c"):  # rows of released locks: present, not live
+        with dlock.lock(name, using=ALIAS):
+            pass
+    if operation == "permit":
+        lk: Any = dlock.semaphore("pool", permits=3, using=ALIAS, ttl=60)
+    elif operation == "release-after-min-hold":
+        lk = dlock.TaskLock("job", min_hold=30, max_hold=60, using=ALIAS)
+    else:
+        lk = dlock.lock("mine", using=ALIAS, ttl=60)
+    assert lk.acquire(timeout=0)
+    with lock_statements() as seen:
+        if operation == "extend":
+            lk.extend(60)
+            assert lk.owned()
+        lk.release()
+    written = updates(seen)
+    assert written, seen
+    for sql, params in written:
+        assert indexes_considered(sql, params) == "name", sql
+
+
+def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
+    """A transaction locking a semaphore's permits in another order makes a
+    deadlock with a take; InnoDB rolls the lighter one back (the take, which
+    has written nothing), and the take runs again and gets its permit."""
+    with dlock.semaphore("dl", permits=3, using=ALIAS):  # the permits' rows exist
+        pass
+    holds_1 = threading.Event()
+    asks_0 = threading.Event()
+    other: list[BaseException] = []
+
+    def heavier_transaction() -> None:
+        """Writes rows (so it is not the victim), locks permit 1, then permit 0."""
+        try:
+            with transaction.atomic(using=ALIAS), connections[ALIAS].cursor() as cur:
+                for i in range(50):
+                    cur.execute(
+                        "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                        "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6))",
+                        [f"weight-{i}"],
+                    )
+                cur.execute(
+                    "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE",
+                    ["semaphore:dl#1"],
+                )
+                holds_1.set()
+                asks_0.wait(30)
+                cur.execute(
+                    "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE",
+                    ["semaphore:dl#0"],
+                )
+                transaction.set_rollback(True, using=ALIAS)
+        except BaseException as exc:
+            other.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=heavier_transaction)
+    thread.start()
+    got: list[Any] = []
+
+    def take() -> None:
+        try:
+            sem = dlock.semaphore("dl", permits=3, using=ALIAS, ttl=30)
+            got.append(sem.acquire(timeout=0))
+            sem.release()
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            connections.close_all()
+
+    taker = threading.Thread(target=take)
+    try:
+        assert holds_1.wait(30)
+        taker.start()  # locks permit 0, then waits for permit 1
+
+        def take_waits() -> bool:
+            # InnoDB refreshes this view only when nobody read it for 0.1 s
+            time.sleep(0.2)
+            with connections[ALIAS].cursor() as cur:
+                cur.execute(
+                    "SELECT count(*) FROM information_schema.innodb_trx "
+                    "WHERE trx_state = 'LOCK WAIT'"
+                )
+                return bool(cur.fetchone()[0])
+
+        wait_until(take_waits)
+        asks_0.set()  # the cycle: InnoDB picks a victim at once
+    finally:
+        asks_0.set()
+        thread.join(60)
+        taker.join(60)
+    assert not other, other  # the heavier transaction was not the victim
+    assert got == [True], got
+    assert not isinstance(got[0], OperationalError)
