@@ -10,9 +10,10 @@ class DLockConfig(AppConfig):
 
     def ready(self) -> None:
         # checks registers the system checks
-        from django_dlock import checks, metrics  # noqa: F401
+        from django_dlock import checks, metrics, tracing  # noqa: F401
 
         metrics.configure()  # DLOCK_METRICS
+        tracing.configure()  # DLOCK_TRACING
 
         from django.core.signals import setting_changed
 

@@ -7,6 +7,7 @@
   the place of ``LockMiddleware``;
 * ``dlock.E030``-``E033``: ``DLOCK_WORKER_JOBS``;
 * ``dlock.E040``-``E041``: ``DLOCK_METRICS``; ``dlock.E042``: ``DLOCK_HOLDER_INFO``;
+  ``dlock.E043``-``E045``: ``DLOCK_TRACING``;
 * ``dlock.E050``, ``W050``-``W051``: connection poolers (the ``W`` ones
   connect, under ``Tags.database``);
 * ``dlock.W070``: django-dlock's tables exist (connects, under ``Tags.database``).
@@ -126,6 +127,39 @@ def check_metrics(**kwargs: Any) -> list[CheckMessage]:
             )
         ]
     return []
+
+
+@register(Tags.compatibility)
+def check_tracing(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E043-E045: ``DLOCK_TRACING`` and ``DLOCK_TRACING_LOCK_NAMES`` are
+    valid, and the OpenTelemetry API is installed."""
+    from django_dlock.tracing import names_error, opentelemetry_available, tracing_error
+
+    value = getattr(settings, "DLOCK_TRACING", None)
+    problem = tracing_error(value)
+    if problem is not None:
+        hint = 'Set DLOCK_TRACING to None (off) or "opentelemetry".'
+        return [Error(f"DLOCK_TRACING is invalid: {problem}.", hint=hint, id="dlock.E043")]
+    found: list[CheckMessage] = []
+    if value == "opentelemetry" and not opentelemetry_available():
+        found.append(
+            Error(
+                'DLOCK_TRACING = "opentelemetry" but the OpenTelemetry API is not installed.',
+                hint='Install the "otel" extra (pip install -e ".[otel]" in a checkout of '
+                "django-dlock) or opentelemetry-api itself.",
+                id="dlock.E044",
+            )
+        )
+    problem = names_error(getattr(settings, "DLOCK_TRACING_LOCK_NAMES", "plain"))
+    if problem is not None:
+        found.append(
+            Error(
+                f"DLOCK_TRACING_LOCK_NAMES is invalid: {problem}.",
+                hint='"plain" shows lock names in spans, "hashed" a digest of each, "off" none.',
+                id="dlock.E045",
+            )
+        )
+    return found
 
 
 @register(Tags.compatibility)

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from django_dlock import signals
+from django_dlock import signals, tracing
 from django_dlock._threads import close_thread_connections
 from django_dlock.exceptions import DatabaseUnavailable, LockLost, SessionBusy
 from django_dlock.identity import Holder, Slot, current_task, holder_alive
@@ -68,6 +68,8 @@ class Holding:
     #: where the holder keeps it: (alias, strategy family, key name); holdings
     #: of one family are one lock
     slot: Slot = field(init=False)
+    #: its ``dlock.hold`` span while traced (see :mod:`django_dlock.tracing`)
+    span: Any = None
 
     def __post_init__(self) -> None:
         req = self.request
@@ -126,6 +128,8 @@ class Holding:
         signals.lock_lost.send(
             self.sender, name=self.name, strategy=self.strategy.name, reason=reason
         )
+        if self.span is not None and tracing.tracer is not None:
+            tracing.tracer.lost(self, reason)
         if self.on_lost is not None:
             try:
                 self.on_lost(self.error())
@@ -171,7 +175,13 @@ def confirm_on_reentry(holding: Holding) -> bool:
 def renew(holding: Holding, ttl: float) -> bool:
     """One statement: move the lease if it is still ours (and note until when)."""
     sent_at = time.monotonic()
-    if holding.strategy.extend(holding.request, ttl):
+    if holding.span is not None and tracing.tracer is not None:
+        extended = tracing.tracer.renewing(
+            holding, lambda: holding.strategy.extend(holding.request, ttl)
+        )
+    else:
+        extended = holding.strategy.extend(holding.request, ttl)
+    if extended:
         holding.renewed(sent_at, ttl)
         return True
     return False
@@ -259,6 +269,8 @@ def take(
         holding.shadowed = previous
     holder.holdings[slot] = holding
     holder.losses[slot] = holding.mark_lost
+    if tracing.tracer is not None:
+        tracing.tracer.held(holding)
     if renewal is not None:
         renewer = Renewer(
             name=req.key.name,
@@ -333,32 +345,33 @@ def release_one(holder: Holder, holding: Holding) -> None:
             holding.renewer.stop()
         except BaseException as exc:
             renewer_error = exc
-    if holding.lost:
-        # Known lost: the release only tidies up (a lease still ours is
-        # freed, a session forgets the key); what it says changes nothing.
-        try:
-            holding.strategy.release(req)
-        except Exception as exc:
-            logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
-    else:
-        try:
-            released = holding.strategy.release(req)
-        except SessionBusy:
-            # Nothing was sent: the lock is still held, and still this holder's.
-            holding.count += 1
-            holder.holdings[slot] = holding
-            holder.losses[slot] = holding.mark_lost
-            raise
-        except DatabaseUnavailable as exc:
-            logger.warning(
-                "django-dlock: could not release %s, the database could not be reached "
-                "(%s); it is forgotten here, and a lease stays until it runs out",
-                req.key.name,
-                exc,
-            )
-            raise
-        if not released:
-            holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
+    with _releasing(holding):
+        if holding.lost:
+            # Known lost: the release only tidies up (a lease still ours is
+            # freed, a session forgets the key); what it says changes nothing.
+            try:
+                holding.strategy.release(req)
+            except Exception as exc:
+                logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
+        else:
+            try:
+                released = holding.strategy.release(req)
+            except SessionBusy:
+                # Nothing was sent: the lock is still held, and still this holder's.
+                holding.count += 1
+                holder.holdings[slot] = holding
+                holder.losses[slot] = holding.mark_lost
+                raise
+            except DatabaseUnavailable as exc:
+                logger.warning(
+                    "django-dlock: could not release %s, the database could not be reached "
+                    "(%s); it is forgotten here, and a lease stays until it runs out",
+                    req.key.name,
+                    exc,
+                )
+                raise
+            if not released:
+                holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
     if holding.lost:
         raise holding.error()
     held = time.monotonic() - holding.acquired_at
@@ -380,6 +393,13 @@ def release_one(holder: Holder, holding: Holding) -> None:
         )
     if renewer_error is not None:
         raise renewer_error
+
+
+def _releasing(holding: Holding) -> contextlib.AbstractContextManager[None]:
+    """The ``dlock.release`` span of ``holding``'s release, when traced."""
+    if holding.span is None or tracing.tracer is None:
+        return contextlib.nullcontext()
+    return tracing.tracer.releasing(holding)
 
 
 def release_all(holder: Holder, holdings: Iterable[Holding]) -> None:

@@ -131,6 +131,11 @@ class Holder:
 _DOING: ContextVar[str | None] = ContextVar("django_dlock_doing", default=None)
 
 
+def what_it_is_doing() -> str | None:
+    """What the current thread or task said it is doing (see :func:`doing`)."""
+    return _DOING.get()
+
+
 @contextlib.contextmanager
 def doing(what: str) -> Iterator[None]:
     """Within the block, locks taken by this thread or task say ``what`` it is

@@ -34,7 +34,7 @@ import inspect
 import logging
 import os
 from asyncio import _get_running_loop
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextvars import ContextVar
 from typing import (
     TYPE_CHECKING,
@@ -51,7 +51,7 @@ from typing import (
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections
 
-from django_dlock import holdings, metrics, signals, two_phase
+from django_dlock import holdings, metrics, signals, tracing, two_phase
 from django_dlock._threads import to_the_end
 from django_dlock.acquiring import Attempt
 from django_dlock.conf import UNSET, FromSetting, RetryInterval, checked, conf, lock_alias
@@ -142,6 +142,28 @@ def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
 _LEAVING: ContextVar[bool] = ContextVar("django_dlock_leaving", default=False)
 #: why the last acquire of this thread or task found its key busy (log wording)
 _WHY_BUSY: ContextVar[str] = ContextVar("django_dlock_why_busy", default=HELD)
+
+
+def _observed(opts: Options, deadline: Deadline, attempt: Callable[[], bool]) -> bool:
+    """Run ``attempt`` (one acquire) inside its span (tracing) and its metrics."""
+    if tracing.tracer is not None:
+        attempt = functools.partial(tracing.tracer.acquire, opts, deadline, attempt)
+    if metrics.observer is not None:
+        observe = metrics.observer.acquire
+        return observe(opts.strategy_name, opts.queues_waiters, deadline, attempt)
+    return attempt()
+
+
+async def _aobserved(
+    opts: Options, deadline: Deadline, attempt: Callable[[], Awaitable[bool]]
+) -> bool:
+    """Async :func:`_observed`."""
+    if tracing.tracer is not None:
+        attempt = functools.partial(tracing.tracer.aacquire, opts, deadline, attempt)
+    if metrics.observer is not None:
+        observe = metrics.observer.aacquire
+        return await observe(opts.strategy_name, opts.queues_waiters, deadline, attempt)
+    return await attempt()
 
 
 def _refuse_in_event_loop(lock: Lock, call: str, instead: str) -> None:
@@ -501,11 +523,9 @@ class Lock(Generic[_OnFailT]):
         _refuse_in_event_loop(self, "acquire() (or a `with` block)", "`await lk.aacquire()`")
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
         opts = self._options()
-        if metrics.observer is not None:
-            attempt = functools.partial(self._acquire, opts, deadline)
-            observe = metrics.observer.acquire
-            return observe(opts.strategy_name, opts.queues_waiters, deadline, attempt)
-        return self._acquire(opts, deadline)
+        if metrics.observer is None and tracing.tracer is None:
+            return self._acquire(opts, deadline)
+        return _observed(opts, deadline, functools.partial(self._acquire, opts, deadline))
 
     def _acquire(self, opts: Options, deadline: Deadline) -> bool:
         busy = Attempt(opts, current_holder(), deadline).run(opts.keys)
@@ -521,11 +541,10 @@ class Lock(Generic[_OnFailT]):
         """
         deadline = Deadline(self._resolve_timeout(blocking, timeout))
         opts = self._options()
-        if metrics.observer is not None:
-            attempt = functools.partial(self._aacquire, opts, deadline)
-            observe = metrics.observer.aacquire
-            return await observe(opts.strategy_name, opts.queues_waiters, deadline, attempt)
-        return await self._aacquire(opts, deadline)
+        if metrics.observer is None and tracing.tracer is None:
+            return await self._aacquire(opts, deadline)
+        attempt = functools.partial(self._aacquire, opts, deadline)
+        return await _aobserved(opts, deadline, attempt)
 
     async def _aacquire(self, opts: Options, deadline: Deadline) -> bool:
         busy = await Attempt(opts, current_holder(), deadline).arun(opts.keys)

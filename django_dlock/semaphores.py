@@ -205,3 +205,6 @@ def semaphore(
 def semaphore(key: LockKey | None = None, **options: Any) -> Semaphore[Any]:
     """Create a :class:`Semaphore` (see its arguments): ``permits`` is required."""
     return Semaphore(key, **options)
+
+
+Semaphore.signal_sender = Semaphore

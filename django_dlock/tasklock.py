@@ -174,3 +174,6 @@ class TaskLock(Lock[Literal["skip"]]):
         keys = "<decorator>" if self._keys is None else self.name
         high = "<default>" if self._ttl_arg is None else f"{self._ttl_arg:g}"
         return f"<TaskLock {keys} min_hold={self.min_hold:g} max_hold={high}>"
+
+
+TaskLock.signal_sender = TaskLock

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, TypeVar
 
 from django.db import connections
 
-from django_dlock import notify, signals
+from django_dlock import notify, signals, tracing
 from django_dlock._threads import SerialThread, close_thread_connections
 from django_dlock.conf import lock_alias
 from django_dlock.exceptions import NotMigrated
@@ -171,6 +171,8 @@ class Campaign:
         self._dispatcher: Dispatcher | None = None
         #: why the last leadership ended: "stepped down" or "lost: <reason>"
         self.stopped_reason: str | None = None
+        #: the current term's span and its tracer, while traced
+        self._term_span: tuple[Any, Any] | None = None
 
     quorum: tuple[str, ...] | None
 
@@ -468,6 +470,11 @@ class Campaign:
             leadership._valid_until = self._valid_until
             self._changed.notify_all()
         logger.info("django-dlock: %s: became leader (term %s)", self.key.name, term)
+        if tracing.tracer is not None:
+            span = tracing.tracer.term_started(
+                self.key.name, self.strategy, self.signal_sender, self.alias, term
+            )
+            self._term_span = (tracing.tracer, span)
         self._observe(self.identity, term)
         callback = self.on_started_leading
         if callback is not None:
@@ -516,6 +523,10 @@ class Campaign:
         if held is None:
             return
         held._end(reason)
+        if self._term_span is not None:
+            tracer, span = self._term_span
+            self._term_span = None
+            tracer.term_ended(span, reason, graceful)
         self._observed = None
         callback = self.on_stopped_leading
         if callback is not None:

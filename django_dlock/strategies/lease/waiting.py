@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from django_dlock import notify
+from django_dlock import acquire_notes, notify
 from django_dlock._threads import start_db_thread
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable
@@ -125,6 +125,8 @@ class Place:
 
     ticket: int
     renewed: float = field(default_factory=time.monotonic)
+    #: its place in the queue was read (for a trace)
+    placed: bool = False
 
 
 class Outage:
@@ -273,7 +275,11 @@ def step(kind: str, place: Place, req: Request, turns: Turns) -> Any:
     database is away."""
     try:
         if kind == "try":
+            acquire_notes.tried()
             return turns.try_acquire(req, place.ticket)
+        if not place.placed:
+            place.placed = True
+            acquire_notes.queued(functools.partial(position, req, place.ticket))
         now = time.monotonic()
         if now - place.renewed >= queue.renew_every():
             queue.beat(req, place.ticket)
@@ -282,6 +288,17 @@ def step(kind: str, place: Place, req: Request, turns: Turns) -> Any:
     except DatabaseUnavailable as exc:
         logger.warning("django-dlock: waiting for %s: database unavailable: %s", req.key.name, exc)
         return Outage(exc)
+
+
+def position(req: Request, ticket: int) -> int:
+    """The place of ``ticket`` in its key's queue: live tickets ahead, plus one."""
+    found = read(
+        req.alias,
+        f"SELECT count(*) FROM {WAITERS} w WHERE w.name = %s AND w.expire_at > {{now}} "
+        "AND w.id < %s",
+        [req.key.name, ticket],
+    )
+    return 1 + (int(found[0]) if found is not None else 0)
 
 
 def look(req: Request, ticket: int) -> Look:
