@@ -228,6 +228,9 @@ def params(cells: list[Cell]) -> list[Any]:
 
 
 ALL = params(CELLS)
+#: the cells of a lock (a semaphore of one permit aside: tests/test_semaphore.py
+#: runs its own process test, 8 processes x 100 on three permits)
+LOCKS = params([c for c in CELLS if c.permits is None])
 #: the cells whose holder releases explicitly (not at the end of a transaction)
 RELEASED = params([c for c in CELLS if not c.transactional])
 #: the cells whose lock the server frees when the holder's connection goes

@@ -22,7 +22,7 @@ from django_dlock.strategies.connection import close_private_connections
 
 from .. import procs
 from ..helpers import run_threads
-from .cells import ALL, BY_ID, CELLS, RELEASED, Cell, off_the_loop, params
+from .cells import ALL, BY_ID, CELLS, LOCKS, RELEASED, Cell, off_the_loop, params
 
 
 def _worker(cell_id: str, counter_path: str, log_path: str, iterations: int) -> None:
@@ -63,7 +63,7 @@ def test_threads_exclude_each_other(cell, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", ALL)
+@pytest.mark.parametrize("cell", LOCKS)
 def test_processes_exclude_each_other(cell, tmp_path):
     counter = procs.FileCounter(str(tmp_path / "counter"))
     counter.reset()
