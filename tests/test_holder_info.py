@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+from io import StringIO
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,30 @@ def test_a_management_commands_locks_name_the_command():
         check=True,
     )
     assert f"pid={done.stdout.split('pid=')[1].split()[0]} django-admin shell " in done.stdout
+
+
+def test_an_advisory_locks_session_is_named_after_its_holder():
+    """pg_locks rows get a name: the session's application_name is its holder's
+    owner text (what the request or task is doing included), as pg_stat_activity,
+    dlock_list and the admin's advisory page show it."""
+    from django_dlock.identity import doing
+
+    from .helpers import give_back_sessions, pg_locks
+
+    try:
+        with doing("POST /invoice/42/"), dlock.lock("invoice:42", strategy="advisory"):
+            ((pid, _),) = pg_locks("invoice:42")
+            with connections["default"].cursor() as cur:
+                cur.execute("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
+                (name,) = cur.fetchone()
+            assert name.startswith("dlock ") and "pid=" in name
+            assert "(POST /invoice/42/)" in name
+            out = StringIO()
+            call_command("dlock_list", stdout=out)
+            assert "POST /invoice/42/" in out.getvalue()
+        # released: the session is idle in the pool, named as such
+        with connections["default"].cursor() as cur:
+            cur.execute("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
+            assert cur.fetchone() == ("django-dlock",)
+    finally:
+        give_back_sessions()

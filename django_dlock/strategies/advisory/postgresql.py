@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from psycopg.types.numeric import Int4, Int8
 
@@ -58,6 +59,7 @@ from django_dlock.strategies._pg import (
 )
 from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.advisory.sessions import (
+    IDLE_NAME,
     Session,
     Statement,
     WaitCancelled,
@@ -86,6 +88,28 @@ def wait_params(key: Key) -> list[Any]:
     return [Int4(key.advisory[0]), Int4(key.advisory[1])]
 
 
+def application_name(req: Request) -> bytes:
+    """The session's ``application_name`` while it holds or awaits ``req``'s key:
+    ``dlock`` and the holder's owner text (host, pid, thread or task, what it is
+    doing), cut to PostgreSQL's 63 bytes; the database's own ``OPTIONS``
+    ``application_name``, when the settings give one."""
+    own = _configured_name(req.alias)
+    if own is not None:
+        return own
+    return f"dlock {req.owner}".encode()[:63].decode(errors="ignore").encode()
+
+
+def idle_name(req: Request) -> bytes:
+    """The session's ``application_name`` once it released a key."""
+    own = _configured_name(req.alias)
+    return IDLE_NAME.encode() if own is None else own
+
+
+def _configured_name(alias: str) -> bytes | None:
+    name = connections[alias].settings_dict.get("OPTIONS", {}).get("application_name")
+    return None if name is None else str(name).encode()
+
+
 def holds_params(req: Request) -> list[bytes]:
     """Parameters of :attr:`_Statements.holds`: where the key shows in ``pg_locks``."""
     classid, objid, objsubid = pg_locks_ids(req.key)
@@ -112,12 +136,18 @@ def _statements(shared: bool, parts: int, fencing: bool) -> _Statements:
     fence = NEXT_FENCE if fencing else "0"
     return _Statements(
         # Without fencing the first column is 0 (acquired) or NULL.
+        # The session takes its holder's name first (pg_locks rows get a name
+        # in pg_stat_activity): the same statement, no round trip of its own.
         try_=Statement(
             f"SELECT CASE WHEN pg_try_advisory_lock{suffix}({args}) THEN {fence} END, "
-            "pg_backend_pid()",
-            types,
+            f"set_config('application_name', ${len(types) + 1}, false), pg_backend_pid()",
+            (*types, _TEXT),
         ),
-        unlock=Statement(f"SELECT pg_advisory_unlock{suffix}({args}), pg_backend_pid()", types),
+        unlock=Statement(
+            f"SELECT pg_advisory_unlock{suffix}({args}), "
+            f"set_config('application_name', ${len(types) + 1}, false), pg_backend_pid()",
+            (*types, _TEXT),
+        ),
         holds=Statement(
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND "
             "locktype = 'advisory' AND granted AND database = " + DATABASE + " AND "
@@ -163,7 +193,7 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     ) -> Grant | None:
         fenced = fencing()
         sql = _sql(req, fenced)
-        value = session.run(sql.try_, lock_params(req.key))[0]
+        value = session.run(sql.try_, [*lock_params(req.key), application_name(req)])[0]
         fence = None if value is None else int(value)
         if fence is None and not deadline.expired():
             fence = self._wait(session, req, sql, deadline, waiter)
@@ -212,7 +242,8 @@ class AdvisoryStrategy(SessionAsyncAcquire):
         return bool(session.run(_sql(req).holds, holds_params(req))[0] == b"t")
 
     def _unlock(self, session: Session, req: Request) -> bool:
-        return bool(session.run(_sql(req).unlock, lock_params(req.key))[0] == b"t")
+        params = [*lock_params(req.key), idle_name(req)]
+        return bool(session.run(_sql(req).unlock, params)[0] == b"t")
 
     def _database_error(self) -> type[Exception]:
         return psycopg.Error

@@ -150,6 +150,9 @@ logger = logging.getLogger("django_dlock")
 
 #: idle sessions kept per alias and process
 MAX_IDLE = 4
+#: the ``application_name`` of a session that holds nothing (PostgreSQL: a
+#: session holding or awaiting a lock is named after its holder)
+IDLE_NAME = "django-dlock"
 #: seconds after which an idle pooled session is closed
 IDLE_TIMEOUT = 60.0
 
@@ -181,7 +184,7 @@ def _connect(alias: str) -> psycopg.Connection[Any]:
     params = connections[alias].get_connection_params()
     for name in ("cursor_factory", "context", "prepare_threshold", "server_side_binding"):
         params.pop(name, None)
-    params.setdefault("application_name", "django-dlock")
+    params.setdefault("application_name", IDLE_NAME)
     end = deadline_end()
     if end is not None and "connect_timeout" not in params:
         params["connect_timeout"] = max(2, math.ceil(end + DIRECT_GRACE - time.monotonic()))
