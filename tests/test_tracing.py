@@ -241,13 +241,23 @@ def test_a_views_lock_names_the_request(spans):
 
 
 def test_a_celery_tasks_lock_names_the_task(spans):
-    from tests.celery_app import exclusive
+    # an app of its own: importing tests.celery_app here would fix its queue for
+    # this process, and tests/test_celery.py's real worker needs another
+    from celery import Celery
 
-    result = exclusive.apply(args=["traced", 0.0])
-    assert result.successful()
+    from django_dlock.contrib.celery import SingleInstanceTask
+
+    app = Celery("tracing", set_as_current=False)
+
+    @app.task(base=SingleInstanceTask, name="billing.charge", lock_args=["invoice"])
+    def charge(invoice: int) -> None:
+        pass
+
+    charge(1)  # run here, as a worker runs it (no broker needed)
     acquire = spans.one("dlock.acquire")
     assert acquire.attributes["dlock.acquire.outcome"] == "acquired"
-    assert "tests.celery_app.exclusive" in acquire.attributes["dlock.holder.context"]
+    assert acquire.attributes["dlock.lock.name"] == "lock:celery:billing.charge:1"
+    assert acquire.attributes["dlock.holder.context"] == "celery billing.charge"
 
 
 def test_a_leaders_term_is_a_span(spans, alias):
