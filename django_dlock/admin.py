@@ -473,6 +473,11 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 name="{}_{}_advisory".format(*info),
             ),
             path(
+                "waiting/",
+                self.admin_site.admin_view(self.waiting_view),
+                name="{}_{}_waiting".format(*info),
+            ),
+            path(
                 "advisory/terminate/<int:pid>/",
                 self.admin_site.admin_view(self.terminate_view),
                 name="{}_{}_terminate".format(*info),
@@ -533,6 +538,33 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/django_dlock/lock/advisory_locks.html", context)
+
+    def waiting_view(self, request: HttpRequest) -> HttpResponse:
+        """Who waits on whom (read-only): each key with waiters, its holders and
+        its queue in order; on PostgreSQL, each awaited advisory key, its holders
+        and the backends blocking each waiter."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        alias = override.default_alias()
+        leases, advisory = override.blocking_tree(alias)
+        context = self._page(
+            request,
+            "Who waits on whom",
+            leases=[
+                {
+                    "key": key,
+                    "holders": [
+                        {"lease": lease, "left": duration(lease.seconds_left)}
+                        for lease in key.holders
+                    ],
+                }
+                for key in leases
+            ],
+            advisory=advisory,
+            alias=alias,
+        )
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/django_dlock/lock/waiting.html", context)
 
     @staticmethod
     def _superuser_only(request: HttpRequest) -> None:

@@ -579,3 +579,70 @@ def test_advisory_page_names_a_running_advisory_election(admin_client_):
     [row] = [row for row in advisory_rows(page) if str(hash64("leader:nightly-jobs")) in row]
     assert '<div class="dlock-name">leader:nightly-jobs</div>' in row
     assert "dlock-state-held" in row
+
+
+def test_who_waits_on_whom_shows_the_holder_and_the_queue_in_order(admin_client_):
+    """A held key with three waiters: the holder, then the queue as it is served;
+    then an advisory lock's waiter and the backend that blocks it."""
+    threads = []
+
+    def wait(i: int) -> None:
+        try:
+            threading.current_thread().name = f"waiter-{i}"
+            with dlock.lock("tree", timeout=30):
+                pass
+        finally:
+            connections.close_all()
+
+    lk = dlock.lock("tree", ttl=60)
+    assert lk.acquire(timeout=0)
+    other = connections["default"].copy()
+    with other.cursor() as cur:
+        cur.execute("SELECT pg_advisory_lock(%s), pg_backend_pid()", [hash64("lock:nightly")])
+        holder_pid = cur.fetchone()[1]
+
+    def wait_advisory() -> None:
+        waiter = connections["default"].copy()
+        try:
+            with waiter.cursor() as cur:
+                cur.execute("SET lock_timeout = '20s'")
+                cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nightly")])
+        except DatabaseError:
+            pass
+        finally:
+            waiter.close()
+
+    try:
+        for i in range(3):
+            thread = threading.Thread(target=wait, args=(i,))
+            thread.start()
+            threads.append(thread)
+            wait_until(lambda n=i + 1: Waiter.objects.filter(name="lock:tree").count() == n)
+        advisory_waiter = threading.Thread(target=wait_advisory)
+        advisory_waiter.start()
+        threads.append(advisory_waiter)
+        url = reverse("admin:django_dlock_lock_waiting")
+        page = ""
+
+        def advisory_shown() -> bool:
+            nonlocal page
+            page = admin_client_.get(url).content.decode()
+            advisory = page.split("Advisory locks awaited")[-1]
+            return str(hash64("lock:nightly")) in advisory and "dlock-waiter" in advisory
+
+        wait_until(advisory_shown)
+        tree = page[page.index("<h3>lock:tree") :]
+        tree = tree[: tree.index("</table>")]
+        assert "thread=MainThread" in tree.split('class="dlock-waiter"')[0]  # the holder first
+        order = re.findall(r"thread=waiter-(\d)", tree)
+        assert order == ["0", "1", "2"], tree
+        advisory = page[page.index("Advisory locks awaited") :]
+        assert "<td>waiting</td>" in advisory
+        assert re.search(rf"<td class=\"dlock-nowrap\">{holder_pid}</td>\s*</tr>", advisory)
+        # the changelist links to it
+        assert url in admin_client_.get(CHANGELIST).content.decode()
+    finally:
+        lk.release()
+        other.close()
+        for thread in threads:
+            thread.join(60)

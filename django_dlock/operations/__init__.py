@@ -15,6 +15,9 @@ Shared by the admin and the operator commands (``dlock_list``,
   finds the lock names behind their keys where they can be known, and
   :func:`terminate_backend` ends the session of a holder (the only way to
   free a session advisory lock that is not yours);
+* :mod:`~django_dlock.operations.waiting`: :func:`blocking_tree`, who waits on
+  whom (lease queues and semaphores; PostgreSQL advisory waiters and the
+  backends that block them);
 * :mod:`~django_dlock.operations.mysql_user_locks`: :func:`user_locks` lists the
   MySQL/MariaDB ``GET_LOCK`` locks of the advisory strategy where the server
   can show them, and :func:`user_lock_holder` finds the holder of one key
@@ -55,9 +58,19 @@ from django_dlock.operations.pg_advisory import advisory_key_of as advisory_key_
 from django_dlock.operations.pg_advisory import advisory_key_of_name as advisory_key_of_name
 from django_dlock.operations.pg_advisory import advisory_names as advisory_names
 from django_dlock.operations.pg_advisory import is_postgresql as is_postgresql
+from django_dlock.operations.waiting import (
+    AwaitedAdvisory,
+    AwaitedLease,
+    Waiting,
+    blocking_tree,
+)
 
 __all__ = [
     "AdvisoryLock",
+    "AwaitedAdvisory",
+    "AwaitedLease",
+    "Waiting",
+    "blocking_tree",
     "Lease",
     "Released",
     "SecondsLeft",

@@ -126,52 +126,35 @@ class Command(DlockCommand):
     def _waiting(self, using: str) -> None:
         """The blocking tree: every key with live waiters, who holds it, and its
         queue in order; then PostgreSQL's advisory locks that are awaited."""
-        queues: dict[str, list[tuple[int, str, Any]]] = {}
-        for name, ticket, owner, since, live in queue.waiters(using, None):
-            if live:
-                queues.setdefault(name, []).append((ticket, owner, since))
-        self.say(f"Keys with waiters in {using!r}: {len(queues)}")
-        for name, waiting in sorted(queues.items()):
-            if name.startswith("semaphore:"):
-                held = [p for p in override.find_permits(using, name) if p.state == "held"]
-                self.say(f"{name}: {len(held)} permits held")
+        leases, advisory = override.blocking_tree(using)
+        self.say(f"Keys with waiters in {using!r}: {len(leases)}")
+        for awaited in leases:
+            if awaited.semaphore:
+                self.say(f"{awaited.name}: {len(awaited.holders)} permits held")
             else:
-                lease = override.find_lease(using, name)
-                held = [] if lease is None or lease.state != "held" else [lease]
-                self.say(f"{name}: {'held' if held else 'free (handed to the head of the queue)'}")
-            for lease in held:
+                state = "held" if awaited.holders else "free (handed to the head of the queue)"
+                self.say(f"{awaited.name}: {state}")
+            for lease in awaited.holders:
                 left = seconds_text(lease)
                 self.say(f"  holder  {lease.owner or '-'}  fence {lease.fence}  {left}")
-            for position, (ticket, owner, since) in enumerate(waiting, start=1):
-                since_text = since.isoformat()
+            for waiter in awaited.waiters:
                 self.say(
-                    f"  {position}. ticket {ticket}  {owner or '-'}  waiting since {since_text}"
+                    f"  {waiter.position}. ticket {waiter.ticket}  {waiter.owner or '-'}  "
+                    f"waiting since {waiter.since.isoformat()}"
                 )
-        if override.is_postgresql(using):
-            self._advisory_waiting(using)
-
-    def _advisory_waiting(self, using: str) -> None:
-        locks = override.advisory_locks(using)
-        awaited = sorted({lk.key for lk in locks if not lk.granted})
-        self.say(f"Advisory keys with waiters in {using!r}: {len(awaited)}")
-        if not awaited:
+        if advisory is None:
             return
-        names = override.advisory_names(using, awaited)
-        blockers = override.blocking_pids(using, [lk.pid for lk in locks if not lk.granted])
-        for key in awaited:
-            here = [lk for lk in locks if lk.key == key]
-            label = names.get(key, "")
-            self.say(f"{here[0].key_text}{f' ({label})' if label else ''}:")
-            for lk in here:
-                if lk.granted:
-                    self.say(f"  holder  pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}")
-            for lk in here:
-                if not lk.granted:
-                    waits_for = ", ".join(str(pid) for pid in blockers.get(lk.pid, [])) or "-"
-                    self.say(
-                        f"  waiting pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}, "
-                        f"blocked by pid {waits_for}"
-                    )
+        self.say(f"Advisory keys with waiters in {using!r}: {len(advisory)}")
+        for key in advisory:
+            self.say(f"{key.key_text}{f' ({key.label})' if key.label else ''}:")
+            for lk in key.holders:
+                self.say(f"  holder  pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}")
+            for lk, blockers in key.waiters:
+                waits_for = ", ".join(str(pid) for pid in blockers) or "-"
+                self.say(
+                    f"  waiting pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}, "
+                    f"blocked by pid {waits_for}"
+                )
 
     def _user_locks(self, using: str) -> None:
         found = override.user_locks(using)
