@@ -300,19 +300,21 @@ def advisory_rows(page: str) -> list[str]:
     return re.findall(r"<tr[ >].*?</tr>", body, re.S)
 
 
-def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
-    def wait() -> None:
-        waiter = connections["default"].copy()  # created in the thread that uses it
-        try:
-            with waiter.cursor() as cur:
-                cur.execute("SET lock_timeout = '20s'")
-                cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nightly")])
-        except DatabaseError:
-            pass
-        finally:
-            waiter.close()
+def wait_for_nightly() -> None:
+    """Wait (at most 20 s) for the advisory lock of lock:nightly, on a session of its own."""
+    waiter = connections["default"].copy()  # created in the thread that uses it
+    try:
+        with waiter.cursor() as cur:
+            cur.execute("SET lock_timeout = '20s'")
+            cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nightly")])
+    except DatabaseError:
+        pass
+    finally:
+        waiter.close()
 
-    thread = threading.Thread(target=wait)
+
+def test_advisory_waiters_show_as_waiting(admin_client_, advisory_holder):
+    thread = threading.Thread(target=wait_for_nightly)
     thread.start()
     try:
         url = reverse("admin:django_dlock_lock_advisory")
@@ -601,24 +603,13 @@ def test_who_waits_on_whom_shows_the_holder_and_the_queue_in_order(admin_client_
         cur.execute("SELECT pg_advisory_lock(%s), pg_backend_pid()", [hash64("lock:nightly")])
         holder_pid = cur.fetchone()[1]
 
-    def wait_advisory() -> None:
-        waiter = connections["default"].copy()
-        try:
-            with waiter.cursor() as cur:
-                cur.execute("SET lock_timeout = '20s'")
-                cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:nightly")])
-        except DatabaseError:
-            pass
-        finally:
-            waiter.close()
-
     try:
         for i in range(3):
             thread = threading.Thread(target=wait, args=(i,))
             thread.start()
             threads.append(thread)
             wait_until(lambda n=i + 1: Waiter.objects.filter(name="lock:tree").count() == n)
-        advisory_waiter = threading.Thread(target=wait_advisory)
+        advisory_waiter = threading.Thread(target=wait_for_nightly)
         advisory_waiter.start()
         threads.append(advisory_waiter)
         url = reverse("admin:django_dlock_lock_waiting")

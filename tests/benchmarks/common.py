@@ -123,3 +123,27 @@ def run_apart(module: str, settings: str, rounds: int, seconds: float) -> list[s
         check=True,
     )
     return done.stdout.strip().splitlines()
+
+
+def measure_in_turn(
+    pairs: dict[str, tuple[Callable[[], None], Any]], rounds: int, seconds: float
+) -> dict[str, list[float]]:
+    """Rates of each ``name -> (pair, settings or None)``, its rounds run in turn
+    (a, b, c, a, ...) under its settings, after a warm-up of each."""
+    from contextlib import AbstractContextManager, nullcontext
+
+    from django.test.utils import override_settings
+
+    results = {name: Series(name) for name in pairs}
+
+    def scope(options: Any) -> AbstractContextManager[Any]:
+        return nullcontext() if options is None else override_settings(**options)
+
+    for pair, options in pairs.values():  # warm up
+        with scope(options):
+            run_for(pair, 0.3, Series("warmup"))
+    for _ in range(rounds):
+        for name, (pair, options) in pairs.items():
+            with scope(options):
+                run_for(pair, seconds, results[name])
+    return {name: series.rates for name, series in results.items()}

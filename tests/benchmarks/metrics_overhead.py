@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.benchmarks.metrics_settings")
@@ -58,24 +57,9 @@ def contenders(alias: str) -> dict[str, tuple[Callable[[], None], Any]]:
 
 
 def measure(alias: str, rounds: int, seconds: float) -> dict[str, list[float]]:
-    from django.test.utils import override_settings
+    from .common import measure_in_turn
 
-    from .common import Series, run_for
-
-    pairs = contenders(alias)
-    results = {name: Series(name) for name in pairs}
-
-    def scope(options: Any) -> AbstractContextManager[Any]:
-        return nullcontext() if options is None else override_settings(**options)
-
-    for pair, options in pairs.values():  # warm up
-        with scope(options):
-            run_for(pair, 0.3, Series("warmup"))
-    for _ in range(rounds):
-        for name, (pair, options) in pairs.items():
-            with scope(options):
-                run_for(pair, seconds, results[name])
-    return {name: series.rates for name, series in results.items()}
+    return measure_in_turn(contenders(alias), rounds, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
