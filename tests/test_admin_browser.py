@@ -367,3 +367,56 @@ def test_force_release_from_the_lock_page_in_a_real_browser(live_server):
     assert not lk.locked()
     with pytest.raises(dlock.LockLost):
         lk.release()
+
+
+def test_holder_metadata_and_who_waits_in_a_real_browser(live_server, tmp_path):
+    """A lock taken while serving a request shows the request in the lock list's
+    owner, and the "Who waits on whom" page shows its holder and its queue."""
+    from django.db import connections
+
+    from django_dlock.identity import doing
+    from django_dlock.models import Waiter
+
+    require_browser()
+    get_user_model().objects.create_superuser("root", "root@example.com", "browser-pw")
+
+    served: list[bool] = []
+
+    def waiter() -> None:
+        try:
+            with doing("celery billing.charge"), dlock.lock("invoice:42", timeout=60):
+                served.append(True)
+        finally:
+            connections.close_all()
+
+    shot = (
+        DOCS_IMG / "admin-waiting.png"
+        if os.environ.get("DLOCK_WRITE_SCREENSHOT")
+        else tmp_path / "admin-waiting.png"
+    )
+
+    def steps(page: Any) -> dict[str, Any]:
+        log_in(page, live_server.url, "root", "browser-pw")
+        row = page.locator("#result_list tbody tr", has_text="lock:invoice:42")
+        owner = row.locator("td.field-owner").inner_text()
+        page.click("text=Who waits on whom")
+        page.wait_for_selector(".dlock-tree")
+        tree = page.locator(".dlock-tree").first.inner_text()
+        page.screenshot(path=str(shot), full_page=True)
+        return {"owner": owner, "tree": tree}
+
+    thread = threading.Thread(target=waiter)
+    try:
+        with doing("POST /invoice/42/pay/"), dlock.lock("invoice:42", ttl=120):
+            thread.start()
+            wait_until(lambda: Waiter.objects.filter(name="lock:invoice:42").exists())
+            seen = in_browser(steps, width=1280, height=480)
+    finally:  # the block is left: the waiter takes the lock and goes
+        if thread.ident is not None:
+            thread.join(90)
+    assert "(POST /invoice/42/pay/)" in seen["owner"] and "thread=MainThread" in seen["owner"]
+    tree = seen["tree"]
+    assert tree.index("holder") < tree.index("(POST /invoice/42/pay/)") < tree.index("1.")
+    assert "(celery billing.charge)" in tree.split("1.", 1)[1]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert served == [True]  # the waiter got the lock once the block was left
