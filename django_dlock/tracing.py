@@ -127,7 +127,6 @@ class OpenTelemetryTracer:
         self._context = context
         self.tracer = trace.get_tracer(SCOPE, _version())
         self.names = names
-        self._error = trace.Status(trace.StatusCode.ERROR)
 
     # -- attributes ----------------------------------------------------------------
 
@@ -196,7 +195,11 @@ class OpenTelemetryTracer:
         acquired: bool | None = None
         error: BaseException | None = None
         try:
-            with self._trace.use_span(span, end_on_exit=False):
+            # the outcome and any error are set by _end_acquire (a cancellation
+            # is not an error)
+            with self._trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
                 acquired = attempt()
             return acquired
         except BaseException as exc:
@@ -215,7 +218,11 @@ class OpenTelemetryTracer:
         acquired: bool | None = None
         error: BaseException | None = None
         try:
-            with self._trace.use_span(span, end_on_exit=False):
+            # the outcome and any error are set by _end_acquire (a cancellation
+            # is not an error)
+            with self._trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
                 acquired = await attempt()
             return acquired
         except BaseException as exc:
