@@ -395,10 +395,14 @@ def release_one(holder: Holder, holding: Holding) -> None:
         raise renewer_error
 
 
+#: what a release runs in when it is not traced (reusable: it holds no state)
+_UNTRACED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
 def _releasing(holding: Holding) -> contextlib.AbstractContextManager[None]:
     """The ``dlock.release`` span of ``holding``'s release, when traced."""
     if holding.span is None or tracing.tracer is None:
-        return contextlib.nullcontext()
+        return _UNTRACED
     return tracing.tracer.releasing(holding)
 
 
