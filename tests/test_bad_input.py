@@ -95,10 +95,7 @@ def test_bad_ttl_at_extend(alias):
         ("sqlite", "advisory_xact", {}),
         ("mysql", "advisory_xact", {}),
         ("mysql", "advisory", {"shared": True}),  # GET_LOCK has no shared mode
-        # a shared lease or row lock would be an exclusive one: refused, not weakened
-        ("default", "lease", {"shared": True}),
-        ("sqlite", "lease", {"shared": True}),
-        ("mysql", "lease", {"shared": True}),
+        # a shared row lock would be an exclusive one: refused, not weakened
         ("default", "row", {"shared": True}),
         ("mysql", "row", {"shared": True}),
     ],

@@ -441,6 +441,30 @@ def test_dlock_show_a_semaphore_lists_its_permits_and_waiters(alias):
         run("dlock_show", "semaphore:nothing", using=alias)
 
 
+def test_dlock_show_a_read_write_lock_lists_its_readers(alias):
+    from .test_shared_lease import Holder
+
+    readers = [Holder(alias, "catalog", True, ttl=60).wait() for _ in range(2)]
+    upgrader = Holder(alias, "catalog", True, upgradeable=True, ttl=60).wait()
+    writer = Holder(alias, "catalog", False, timeout=30)  # queued behind the readers
+    try:
+        wait_until(lambda: waiting(alias, "lock:catalog") == 1)
+        out = run("dlock_list", "--waiting", using=alias)
+        assert len(re.findall(r"^  holder  .*  fence \d+  [\d.]+ s left$", out, re.M)) == 3, out
+        out = run("dlock_show", "lock:catalog", using=alias)
+        assert re.search(r"^owner +readers, the last in: ", out, re.M), out
+        assert re.search(r"^readers +3$", out, re.M), out
+        assert len(re.findall(r"^  [0-9a-f]{16} +\S.* \d+ +\d", out, re.M)) == 2, out
+        assert re.search(r"^  upgradeable +\S", out, re.M), out
+    finally:
+        for holder in [*readers, upgrader]:
+            holder.release()
+        writer.wait().release()
+    out = run("dlock_show", "lock:catalog", using=alias)  # the writer left it free
+    assert re.search(r"^state +released$", out, re.M), out
+    assert "readers" not in out, out
+
+
 def test_dlock_list_waiting_shows_who_waits_on_whom(alias):
     """A held key with three waiters: its holder, then the queue in arrival order."""
     threads = []

@@ -59,6 +59,27 @@ CASES = [
     ("semaphore", "mysql", "expired"),
     ("semaphore", "mysql", "taken"),
     ("semaphore", "mysql", "force-released"),
+    # a reader (shared=True): its own lease row; "taken" and "force-released"
+    # (the key's row, which says readers hold it) let a writer in
+    ("shared", "default", "expired"),
+    ("shared", "default", "taken"),
+    ("shared", "default", "force-released"),
+    ("shared", "sqlite", "expired"),
+    ("shared", "sqlite", "taken"),
+    ("shared", "sqlite", "force-released"),
+    ("shared", "mysql", "expired"),
+    ("shared", "mysql", "taken"),
+    ("shared", "mysql", "force-released"),
+    # an upgradeable reader after its upgrade: the key's row is its own
+    ("upgraded", "default", "expired"),
+    ("upgraded", "default", "taken"),
+    ("upgraded", "default", "force-released"),
+    ("upgraded", "sqlite", "expired"),
+    ("upgraded", "sqlite", "taken"),
+    ("upgraded", "sqlite", "force-released"),
+    ("upgraded", "mysql", "expired"),
+    ("upgraded", "mysql", "taken"),
+    ("upgraded", "mysql", "force-released"),
 ]
 OPERATIONS = ["owned", "held", "extend", "release", "leave", "acquire"]
 #: (strategy, alias, state, operation): every cell of the table
@@ -76,6 +97,10 @@ def _make(key, alias, strategy, **options):
     """A lock of ``strategy``, or (``"semaphore"``) a semaphore of one permit."""
     if strategy == "semaphore":
         return dlock.semaphore(key, permits=1, using=alias, **options)
+    if strategy == "shared":
+        return dlock.lock(key, using=alias, shared=True, **options)
+    if strategy == "upgraded":
+        return dlock.lock(key, using=alias, upgradeable=True, **options)
     return dlock.lock(key, using=alias, strategy=strategy, **options)
 
 
@@ -84,7 +109,17 @@ def _name(key, strategy) -> str:
 
 
 def _leased(strategy) -> bool:
-    return strategy in ("lease", "semaphore")
+    return strategy in ("lease", "semaphore", "shared", "upgraded")
+
+
+def _reads(strategy) -> bool:
+    return strategy in ("shared", "upgraded")
+
+
+def _upgraded(lk, strategy) -> None:
+    """An "upgraded" lock: turned into the write lock (nobody else reads)."""
+    if strategy == "upgraded":
+        assert lk.upgrade(timeout=5)
 
 
 #: a force-release happens well within the lease: nothing runs out meanwhile
@@ -130,7 +165,8 @@ class Taker:
     def take(self, key, alias, strategy) -> None:
         def hold():
             try:
-                other = _make(key, alias, strategy, ttl=60)
+                # (after a reader, a writer: another reader would share it)
+                other = _make(key, alias, "lease" if _reads(strategy) else strategy, ttl=60)
                 if other.acquire(timeout=10):
                     self.holding.set()
                     self.done.wait(60)
@@ -183,9 +219,11 @@ def test_loss_table(strategy, alias, state, operation):
         lk = _make(key, alias, strategy, ttl=ttl, on_lost=losses.on_lost)
         if operation == "leave":
             with pytest.raises(dlock.LockLost), lk:
+                _upgraded(lk, strategy)
                 _lose(lk, key, alias, strategy, state, taker, losses)
         else:
             assert lk.acquire(timeout=0)
+            _upgraded(lk, strategy)
             first_fence = lk.fence
             _lose(lk, key, alias, strategy, state, taker, losses)
             if operation == "owned":

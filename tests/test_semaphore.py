@@ -9,7 +9,6 @@ contract on it (tests/contract), and the loss table walks it (tests/test_loss.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import os
 import signal
@@ -24,7 +23,7 @@ import django_dlock as dlock
 from django_dlock.strategies.connection import close_private_connections
 
 from . import procs
-from .helpers import in_thread, wait_until
+from .helpers import HeldInThread, in_thread, publish, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -143,34 +142,12 @@ def test_asyncio_tasks_never_hold_more_than_the_permits(alias):
     assert state == {"inside": 0, "most": 2}
 
 
-class Holder:
-    """A thread that holds a permit of ``key`` until :meth:`release`."""
+class Holder(HeldInThread):
+    """A thread that holds a permit of ``key`` until :meth:`release` (held once made)."""
 
     def __init__(self, alias: str, key: str, permits: int, **options) -> None:
-        self.acquired = threading.Event()
-        self.go = threading.Event()
-        self.lost: list[bool] = []
-        self.fence: int | None = None
-        sem = dlock.semaphore(key, permits=permits, using=alias, **options)
-
-        def run() -> None:
-            try:
-                with contextlib.suppress(dlock.LockLost), sem:  # some tests take it away
-                    self.fence = sem.fence
-                    self.acquired.set()
-                    self.go.wait(60)
-            finally:
-                close_private_connections()
-                connections.close_all()
-
-        self.thread = threading.Thread(target=run)
-        self.thread.start()
-        assert self.acquired.wait(30)
-
-    def release(self) -> None:
-        self.go.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
+        super().__init__(dlock.semaphore(key, permits=permits, using=alias, **options))
+        self.wait()
 
 
 def _live_rows(alias: str, key: str) -> list[tuple[str, str]]:
@@ -275,13 +252,14 @@ def test_a_newcomer_never_takes_a_permit_a_waiter_is_queued_for(alias):
 def _hold_then_wait(alias: str, ready_path: str) -> None:
     sem = dlock.semaphore("killed", permits=2, using=alias, ttl=2)
     assert sem.acquire(timeout=10)
-    with open(ready_path, "w") as f:
-        f.write(str(sem.fence))
+    publish(ready_path, str(sem.fence))
     time.sleep(300)
 
 
 @pytest.mark.slow
 def test_a_killed_holders_permit_is_free_when_its_lease_ends(alias, tmp_path):
+    from django_dlock.models import Lock as LockRow
+
     ready = tmp_path / "ready"
     child = procs.start(_hold_then_wait, alias, str(ready))
     try:
@@ -289,12 +267,15 @@ def test_a_killed_holders_permit_is_free_when_its_lease_ends(alias, tmp_path):
         kept = Holder(alias, "killed", 2, ttl=60)
         os.kill(child.pid, signal.SIGKILL)
         child.join(10)
+        permits = LockRow.objects.using(alias).filter(name__startswith="semaphore:killed#")
+        ends = dict(permits.values_list("name", "expire_at"))
         newcomer = dlock.semaphore("killed", permits=2, using=alias, ttl=60)
-        # the dead holder's lease still runs: its permit is not free yet
-        assert [name for name, _ in _live_rows(alias, "killed") if name.endswith("#0")]
-        # ... and it is once the lease (2 s) has run out on the database clock
+        # the dead holder's permit is free once its lease (2 s) has run out
+        # on the database clock, and not before
         assert newcomer.acquire(timeout=20)
         assert newcomer.fence > int(ready.read_text())
+        taken = permits.get(token=newcomer.token)
+        assert taken.acquired_at >= ends[taken.name]
         newcomer.release()
         kept.release()
     finally:

@@ -33,6 +33,7 @@ from django_dlock.operations.lease_rows import (
     default_alias,
     find_lease,
     find_permits,
+    find_readers,
     force_release,
     leases,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "default_alias",
     "find_lease",
     "find_permits",
+    "find_readers",
     "force_release",
     "leases",
     "terminate_backend",

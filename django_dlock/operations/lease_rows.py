@@ -26,6 +26,7 @@ from django_dlock.conf import lock_alias
 from django_dlock.dbclock import DbNow
 from django_dlock.models import Lock
 from django_dlock.notify import CHANNEL
+from django_dlock.strategies.lease.shared import READER_INFIX
 from django_dlock.strategies.queue import PG_WAKE_HEAD
 
 __all__ = [
@@ -178,6 +179,16 @@ def find_permits(using: str, name: str) -> list[Lease]:
         if match is not None:
             found.append((int(match.group(1)), Lease.of(row)))
     return [lease for _, lease in sorted(found, key=lambda each: each[0])]
+
+
+def find_readers(using: str, name: str) -> list[tuple[str, Lease]]:
+    """The live readers of the read-write lock named ``name`` (``"lock:x"``):
+    each reader's label (its row's last part: a digest of its holder, or
+    ``"upgradeable"``) and its lease, in name order."""
+    prefix = f"{name}{READER_INFIX}"
+    rows = annotate_state(Lock.objects.using(using).filter(name__startswith=prefix))
+    found = [(row.name[len(prefix) :], Lease.of(row)) for row in rows]
+    return [(label, lease) for label, lease in sorted(found) if lease.state == "held"]
 
 
 @dataclass(frozen=True)

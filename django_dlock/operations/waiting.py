@@ -1,7 +1,8 @@
 """Who waits on whom: the blocking tree shown by ``dlock_list --waiting`` and the admin.
 
 For each lease key (a lock, or a semaphore's permits) with live waiters: who
-holds it and its queue in order. On PostgreSQL, for each awaited advisory
+holds it (the lease, each reader of a read-write lock, each permit) and its
+queue in order. On PostgreSQL, for each awaited advisory
 key: its holders and each waiter with the backends that block it
 (``pg_blocking_pids``).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 
-from django_dlock.operations.lease_rows import Lease, find_lease, find_permits
+from django_dlock.operations.lease_rows import Lease, find_lease, find_permits, find_readers
 from django_dlock.operations.pg_advisory import (
     AdvisoryLock,
     advisory_locks,
@@ -39,7 +40,8 @@ class AwaitedLease:
     """A lease key (a lock, or a semaphore) with live waiters."""
 
     name: str
-    #: the live holders: the lease, or a semaphore's held permits
+    #: the live holders: the lease, a read-write lock's readers, or a
+    #: semaphore's held permits
     holders: list[Lease]
     waiters: list[Waiting]
 
@@ -74,6 +76,8 @@ def blocking_tree(alias: str) -> tuple[list[AwaitedLease], list[AwaitedAdvisory]
         else:
             lease = find_lease(alias, name)
             holders = [] if lease is None or lease.state != "held" else [lease]
+            if holders:  # a read-write lock held by readers: each reader
+                holders = [reader for _, reader in find_readers(alias, name)] or holders
         waiters = [
             Waiting(position, ticket, owner, since)
             for position, (ticket, owner, since) in enumerate(found, start=1)

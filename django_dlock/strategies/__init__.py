@@ -174,6 +174,26 @@ def with_permits(strategy: Strategy, permits: int) -> Strategy:
     return made
 
 
+#: strategy class -> the strategy that keeps its shared holdings (None: itself)
+_FOR_SHARED: dict[type, Strategy | None] = {}
+
+
+def for_shared(strategy: Strategy) -> Strategy:
+    """The strategy that keeps ``strategy``'s shared holdings: ``strategy``
+    itself, or the one its :class:`~django_dlock.strategies.base.SharesApart`
+    names (answered once per class). Only for a strategy that ``shares``."""
+    kind = type(strategy)
+    if kind not in _FOR_SHARED:
+        from django_dlock.strategies.base import SharesApart
+
+        made: Strategy | None = None
+        if isinstance(strategy, SharesApart):
+            module, _, attribute = strategy.shared_by.partition(":")
+            made = getattr(import_module(module), attribute)
+        _FOR_SHARED[kind] = made
+    return _FOR_SHARED[kind] or strategy
+
+
 def _any_implementation(name: str) -> Strategy:
     """An implementation of ``name`` that loads here (their traits are the same;
     one may need a driver this site does not have, as advisory on PostgreSQL)."""

@@ -9,7 +9,7 @@ deadline for poolers in :mod:`django_dlock.strategies.connection`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, TypeGuard, runtime_checkable
+from typing import Literal, Protocol, TypeGuard, runtime_checkable
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -24,8 +24,10 @@ __all__ = [
     "Grant",
     "Guards",
     "Request",
+    "SharesApart",
     "Strategy",
     "TakesTickets",
+    "Upgrades",
 ]
 
 #: how a busy key is described when nothing more is known
@@ -49,6 +51,8 @@ class Request:
     owner: str
     ttl: float
     shared: bool = False
+    #: an upgradeable read lock (see :class:`Upgrades`)
+    upgradeable: bool = False
     #: on release, keep the lease until ``acquired_at + hold_at_least`` seconds
     #: (database time): :class:`~django_dlock.TaskLock`'s ``min_hold``. Only
     #: leased strategies honour it.
@@ -132,6 +136,36 @@ class CountsPermits(Protocol):
     permits_by: str
 
 
+@runtime_checkable
+class SharesApart(Protocol):
+    """A strategy whose shared holdings (``shared=True``: many readers or one
+    writer) are kept by another strategy object: ``lease``, where each reader
+    holds a row of its own and the key's row says that readers hold it.
+
+    ``shared_by`` names, as ``"module:attribute"``, that strategy; it is
+    imported on first use, like the strategies of the registry. A strategy
+    that ``shares`` without it grants shared holdings itself (PostgreSQL's
+    advisory locks).
+    """
+
+    shared_by: str
+
+
+@runtime_checkable
+class Upgrades(Protocol):
+    """A strategy whose upgradeable read holdings (``upgradeable=True``) can
+    become the write holding of their key with no writer in between: the
+    ``lease`` strategy's shared form."""
+
+    def upgrade(
+        self, req: Request, deadline: Deadline, policy: RetryInterval
+    ) -> int | Literal[False] | None:
+        """Wait until ``req`` is the key's only reader, then hold the key
+        exclusively: the new fencing number; ``None`` if other readers still
+        held it at ``deadline``; ``False`` if ``req``'s read holding is lost."""
+        ...
+
+
 class Strategy(Protocol):
     """One way of holding a lock. All methods are synchronous and blocking."""
 
@@ -147,7 +181,8 @@ class Strategy(Protocol):
     #: (``lease``, its quorum): the holder counts its lease from when it sent it
     leased: bool
     #: grants ``shared=True`` holdings beside each other (many readers or one
-    #: writer): PostgreSQL's ``advisory`` and ``advisory_xact``
+    #: writer): ``lease`` (see :class:`SharesApart`), PostgreSQL's ``advisory``
+    #: and ``advisory_xact``
     shares: bool
 
     def ended(self, req: Request) -> bool:

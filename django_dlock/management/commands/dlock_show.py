@@ -22,6 +22,7 @@ LABELS = (
     "expires at",
     "expires",
     "permits held",
+    "readers",
     "waiters",
     "advisory key",
     "GET_LOCK name",
@@ -34,7 +35,8 @@ class Command(DlockCommand):
         'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
         "its lease row, the waiters queued for it, and who holds its advisory lock "
         "(PostgreSQL: or awaits it; MySQL/MariaDB: IS_USED_LOCK). For a semaphore "
-        '("semaphore:exports"): each permit\'s holder, and its waiters.'
+        '("semaphore:exports"): each permit\'s holder, and its waiters. For a lock '
+        "held by readers (shared=True): each reader."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -72,6 +74,7 @@ class Command(DlockCommand):
             ]
             for label, value in fields:
                 self._field(label, value)
+            self._readers(using, lease.name)
             self._waiters(using, lease.name)
         if key is not None:
             self._field("advisory key", str(key))
@@ -103,6 +106,19 @@ class Command(DlockCommand):
             for line in table(["PERMIT", "STATE", "OWNER", "FENCE", "EXPIRES"], rows):
                 self.say(f"  {line}")
         self._waiters(using, name)
+
+    def _readers(self, using: str, name: str) -> None:
+        """A read-write lock's live readers (their rows), if any hold it."""
+        readers = override.find_readers(using, name)
+        if not readers:
+            return
+        self._field("readers", str(len(readers)))
+        rows = [
+            [label, lease.owner or "-", str(lease.fence), seconds_text(lease)]
+            for label, lease in readers
+        ]
+        for line in table(["READER", "OWNER", "FENCE", "EXPIRES"], rows):
+            self.say(f"  {line}")
 
     def _field(self, label: str, value: str) -> None:
         """``label  value``, every label padded to the longest one this command prints."""

@@ -50,7 +50,6 @@ from django_dlock.strategies.connection import (
     cursor,
     deadlocked,
     fetch_one,
-    with_reconnect,
 )
 from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
 from django_dlock.strategies.lease.strategy import QUEUED_AHEAD, LeaseStrategy
@@ -185,6 +184,8 @@ def _look(permits: int) -> str:
 class PermitStrategy(LeaseStrategy):
     """The lease strategy handing out ``permits`` leases of one key (see the module)."""
 
+    shares = False  # a permit is a holding of its own, never a shared one
+
     def __init__(self, permits: int) -> None:
         self.permits = permits
 
@@ -192,19 +193,6 @@ class PermitStrategy(LeaseStrategy):
         return f"<lease strategy, {self.permits} permits>"
 
     # -- taking a permit -------------------------------------------------------
-
-    def try_acquire(self, req: Request, ticket: int | None = None) -> int | None:
-        """Take a free permit (or the caller's own live one); the fencing number.
-
-        The permit's row is recorded in ``req.row``. Without ``ticket`` (a newcomer)
-        every live ticket is ahead; with it, the granted ticket is deleted.
-        """
-        fence, _ = with_reconnect(
-            req.alias, lambda connection: self.acquire_on(connection, req, ticket)
-        )
-        if ticket is not None and fence is not None:
-            queue.done(ticket)
-        return fence
 
     def acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
