@@ -47,7 +47,9 @@ _NO_WAITERS = (
 )
 
 # One batch: delete by ctid, re-checking expiry against the run's cutoff
-# (a time on the database clock, in the past: such a lease has ended).
+# (a time on the database clock, in the past: such a lease has ended). A row
+# that a ticket flagged while the batch waited for it is a new row version,
+# not the one judged free of tickets: the delete by ctid skips it.
 # {{only}}: nothing, or "AND id = ANY(%s)" for a chosen set of rows.
 _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}

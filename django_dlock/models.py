@@ -38,6 +38,11 @@ class Lock(models.Model):
     fence = models.BigIntegerField(default=0, help_text="fencing number of the latest holding")
     acquired_at = models.DateTimeField(null=True, blank=True)
     expire_at = models.DateTimeField("expires at", db_index=True)
+    queued = models.BooleanField(
+        null=True,
+        editable=False,
+        help_text="PostgreSQL: a waiter may hold a ticket for this key (empty: nobody waits)",
+    )
 
     objects = LockQuerySet.as_manager()
 

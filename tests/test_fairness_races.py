@@ -57,6 +57,13 @@ def _request(name: str, token: str, alias: str = "default") -> Request:
     )
 
 
+def _ticket_uncommitted(ticketing: Any, holder: Request) -> int:
+    """A waiter's ticket for ``holder``'s key, inserted in ``ticketing``'s
+    open transaction (it holds the key's row until committed)."""
+    params = [holder.key.name, holder.key.name, "waiter", "test waiter", 30.0]
+    return int(ticketing.execute(queue._PG_ENQUEUE, params).fetchone()[0])
+
+
 def _in_background(func: Any) -> tuple[threading.Thread, list[Any]]:
     out: list[Any] = []
 
@@ -81,12 +88,7 @@ def test_a_release_waiting_for_a_ticket_wakes_it(pg):
     listen.execute(f"LISTEN {queue.CHANNEL}")
     ticketing = _raw(pg)
     try:
-        ticket = int(
-            ticketing.execute(
-                queue._PG_ENQUEUE,
-                [holder.key.name, holder.key.name, "waiter", "test waiter", 30.0],
-            ).fetchone()[0]
-        )
+        ticket = _ticket_uncommitted(ticketing, holder)
         # The release starts now, before the ticket is committed...
         thread, out = _in_background(lambda: lease.release(holder))
         wait_until(lambda: _blocked_by(pg, ticketing.info.backend_pid))
@@ -111,7 +113,7 @@ def test_a_ticket_waits_for_a_release_in_flight(pg):
     assert lease.try_acquire(holder) is not None
     releasing = _raw(pg)
     try:
-        params = [holder.key.name, holder.token, holder.key.name]
+        params = [holder.key.name, holder.token, holder.key.name, holder.key.name]
         found = releasing.execute(PG_RELEASE_SQL[True], params).fetchone()
         assert found is not None  # released, not yet committed
         thread, out = _in_background(lambda: queue.enqueue(waiter))
@@ -134,8 +136,11 @@ def test_no_barging_when_the_keys_row_is_gone(alias):
     waiter = _request("race-no-row", "waiter", alias)
     ticket = queue.enqueue(waiter)
     with connections[alias].cursor() as cur:
-        cur.execute("SELECT count(*) FROM django_dlock_lock WHERE name = %s", [waiter.key.name])
-        assert cur.fetchone()[0] == 0
+        cur.execute("SELECT queued FROM django_dlock_lock WHERE name = %s", [waiter.key.name])
+        found = list(cur.fetchall())
+    # PostgreSQL: the ticket made the key's row, free and flagged; elsewhere
+    # there is no row, and the newcomer's insert looks at the queue itself
+    assert found == ([(True,)] if connections[alias].vendor == "postgresql" else [])
     assert dlock.lock("race-no-row", using=alias).acquire(timeout=0) is False
     assert lease.try_acquire(_request("race-no-row", "newcomer", alias)) is None
     fence = lease.try_acquire(waiter, ticket)
@@ -159,5 +164,77 @@ def test_cleanup_keeps_a_free_row_with_a_live_ticket_and_the_ticket_is_served(al
     holder.release()
     delete_free(using=alias)
     assert dlock.lock("race-cleanup", using=alias).acquire(timeout=0) is False
+    assert lease.try_acquire(waiter, ticket) is not None
+    assert lease.release(waiter)
+
+
+# -- PostgreSQL: the key's row says whether anybody may wait -------------------
+
+
+def _queued(alias: str, name: str) -> Any:
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT queued FROM django_dlock_lock WHERE name = %s", [name])
+        return cur.fetchone()[0]
+
+
+def test_a_key_nobody_waits_for_is_never_flagged(pg):
+    holder = _request("flag-none", "holder")
+    assert lease.try_acquire(holder) is not None
+    assert lease.release(holder)
+    assert not _queued(pg, holder.key.name)
+
+
+def test_the_flag_stays_while_a_ticket_is_left_and_goes_with_the_last(pg):
+    holder = _request("flag-last", "holder")
+    first, second = _request("flag-last", "first"), _request("flag-last", "second")
+    assert lease.try_acquire(holder) is not None
+    tickets = [queue.enqueue(first), queue.enqueue(second)]
+    assert _queued(pg, holder.key.name) is True
+    # nobody barges past the tickets, not even the holder's next try
+    assert lease.release(holder)
+    assert lease.try_acquire(_request("flag-last", "newcomer")) is None
+    assert lease.try_acquire(second, tickets[1]) is None  # not its turn
+    assert lease.try_acquire(first, tickets[0]) is not None
+    assert _queued(pg, holder.key.name) is True  # the second still waits
+    assert lease.release(first)
+    assert lease.try_acquire(second, tickets[1]) is not None
+    assert not _queued(pg, holder.key.name)
+    assert lease.release(second)
+
+
+def test_a_newcomer_clears_the_flag_a_leaver_left(pg):
+    holder = _request("flag-leaver", "holder")
+    assert lease.try_acquire(holder) is not None
+    queue.leave(pg, queue.enqueue(_request("flag-leaver", "leaver")))
+    assert _queued(pg, holder.key.name) is True
+    assert lease.release(holder)
+    newcomer = _request("flag-leaver", "newcomer")
+    assert lease.try_acquire(newcomer) is not None
+    assert not _queued(pg, holder.key.name)
+    assert lease.release(newcomer)
+
+
+def test_a_cleanup_waiting_for_a_ticket_keeps_the_keys_row(pg):
+    """The cleanup judged the free row before the ticket was committed, then
+    waited for the row: it must not delete it, or a newcomer would create a
+    fresh row past the ticket."""
+    from django_dlock.cleanup import delete_free
+
+    holder = _request("flag-cleanup", "holder")
+    assert lease.try_acquire(holder) is not None
+    assert lease.release(holder)
+    ticketing = _raw(pg)
+    try:
+        ticket = _ticket_uncommitted(ticketing, holder)
+        thread, out = _in_background(lambda: delete_free(using=pg))
+        wait_until(lambda: _blocked_by(pg, ticketing.info.backend_pid))
+        ticketing.commit()
+        thread.join(30)
+        assert out == [0]
+    finally:
+        ticketing.close()
+    assert _queued(pg, holder.key.name) is True
+    assert lease.try_acquire(_request("flag-cleanup", "newcomer")) is None
+    waiter = _request("flag-cleanup", "waiter")
     assert lease.try_acquire(waiter, ticket) is not None
     assert lease.release(waiter)

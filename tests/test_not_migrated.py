@@ -73,3 +73,32 @@ def test_commands_say_run_migrate(unmigrated, command):
     with pytest.raises(CommandError, match=_hint(unmigrated)) as raised:
         call_command(*command, "--using", unmigrated, verbosity=0)
     assert raised.value.returncode == 1
+
+
+#: (what migration 0007 added, renamed away, and back)
+_BEHIND = {
+    "column": (
+        "ALTER TABLE django_dlock_lock RENAME COLUMN queued TO queued_away",
+        "ALTER TABLE django_dlock_lock RENAME COLUMN queued_away TO queued",
+    ),
+    "function": (
+        "ALTER FUNCTION django_dlock_queued(text, bigint) RENAME TO dlock_queued_away",
+        "ALTER FUNCTION dlock_queued_away(text, bigint) RENAME TO django_dlock_queued",
+    ),
+}
+
+
+@pytest.mark.parametrize("missing", sorted(_BEHIND))
+def test_a_database_migrated_to_an_earlier_version_says_run_migrate(pg, missing):
+    """PostgreSQL behind migration 0007 (no ``queued`` column, or no function):
+    a lock says to migrate, not "column (function) does not exist"."""
+    away, back = _BEHIND[missing]
+    with connections[pg].cursor() as cur:
+        cur.execute(away)
+    try:
+        with pytest.raises(dlock.NotMigrated, match=_hint(pg)):
+            dlock.lock("nm-behind", using=pg).acquire(timeout=0)
+    finally:
+        connections.close_all()
+        with connections[pg].cursor() as cur:
+            cur.execute(back)

@@ -27,13 +27,26 @@ would not see it, send nothing, and leave that waiter asleep until its next
 timed look. Two things close this race; they serialise the release and the
 ticket on the key's row:
 
-* the ticket is inserted in a statement that also locks the key's row
-  ``FOR SHARE`` (and holds the lock until the ticket is committed);
+* the ticket is inserted in a statement that also sets ``queued`` on the
+  key's row (creating a free row if there is none), which holds the row
+  locked until the ticket is committed;
 * a release (also a force-release, and cleanup of dead tickets) first
   updates the row, then looks for the head in the function
   ``django_dlock_wake_head``, a ``VOLATILE`` PL/pgSQL function: each query
   in it takes a fresh snapshot (see "Function Volatility Categories" in the
-  PostgreSQL documentation), taken after the row was locked.
+  PostgreSQL documentation), taken after the row was locked. A plain
+  release looks only if the row, as it is once locked, says ``queued``:
+  a ticket committed while the release waited for the row has set it.
+
+The flag spares the queue to the many keys nobody waits for: an acquire
+reads the queue only when the key's row is flagged, and a release wakes
+only then. The acquire that finds the row flagged clears the flag once no
+ticket (live or run out) is left, asking ``django_dlock_queued`` (a fresh
+snapshot again, after the row is locked). A ticket never waits for a key
+whose row is unflagged: rows are deleted only by ``dlock_cleanup``, which
+keeps a row with a live ticket, and whose delete skips a row changed by a
+ticket meanwhile. A semaphore's permit rows carry no flag: their tickets
+lock them ``FOR SHARE``, and a permit's release always looks.
 
 If the release locked the row first, the ticket's statement waits until the
 release is committed, so the waiter's first look, made after its ticket is
@@ -43,10 +56,11 @@ snapshot sees the ticket and wakes it. Either way the waiter learns that the
 key is free at once.
 
 The same lock closes a cleanup race: ``dlock_cleanup`` deletes a free row
-only if no live ticket waits for its key, and an acquire that *creates* a
-key's row (the row was never there, or was deleted) checks for live tickets
-too, in the same statement. A newcomer therefore never barges past a ticket
-committed before it looked, whether the key's row exists or not.
+only if no live ticket waits for its key (and, on PostgreSQL, only the row
+version it judged: one a ticket has flagged meanwhile stays), and on SQLite
+and MySQL/MariaDB an acquire that *creates* a key's row checks for live
+tickets too, in the same statement. A newcomer therefore never barges past
+a ticket committed before it looked, whether the key's row exists or not.
 
 A ticket taken by ``Lock.enqueue()`` is renewed by a keeper thread of the
 process until its owner calls ``wait()``.
@@ -117,11 +131,26 @@ def none_ahead_sql(connection: BaseDatabaseWrapper, name: str) -> str:
 #: nobody waits). A function (migration 0004) that reads the queue with a
 #: snapshot of its own, taken after the caller locked the key's row.
 PG_WAKE_HEAD = "django_dlock_wake_head({name})"
+#: PostgreSQL: does any ticket (live or run out) but ``{besides}`` wait for
+#: ``{name}``? A function (migration 0007) with a snapshot of its own, like
+#: the wake-up's.
+PG_QUEUED = "django_dlock_queued({name}, {besides})"
 
-# PostgreSQL: a ticket is inserted while the key's row (if any) is locked
-# FOR SHARE, so it waits for a release in flight, and a release waits for it.
+# PostgreSQL: a ticket is inserted in the statement that sets ``queued`` on
+# the key's row (creating a free row if there is none), so it waits for a
+# release in flight, a release waits for it and then sees the flag, and an
+# acquire or cleanup waiting for the row sees it changed.
+_PG_FLAG = f"""
+INSERT INTO {LOCKS} AS l (name, token, owner, fence, expire_at, queued)
+VALUES (%s, '', '', 0, statement_timestamp(), true)
+ON CONFLICT (name) DO UPDATE SET queued = true
+RETURNING 1
+"""
+# A ticket put back by its waiter (cleanup had removed it): the key's row, if
+# there is one, is flagged again (a semaphore has no row of its key's name).
+_PG_REFLAG = f"UPDATE {LOCKS} SET queued = true WHERE name = %s RETURNING 1"
 _PG_ENQUEUE = f"""
-WITH held AS (SELECT 1 FROM {LOCKS} WHERE name = %s FOR SHARE)
+WITH held AS ({_PG_FLAG})
 INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at)
 SELECT %s, %s, %s, statement_timestamp(), statement_timestamp() + %s * interval '1 second'
 FROM (SELECT count(*) FROM held) AS h
@@ -129,10 +158,15 @@ RETURNING id
 """
 
 
-# The same for a key whose releases update several rows (a semaphore's permits).
-_PG_ENQUEUE_ROWS = _PG_ENQUEUE.replace(
-    "WHERE name = %s FOR SHARE", "WHERE name = ANY(%s) FOR SHARE"
-)
+# A key whose releases update several rows (a semaphore's permits): they
+# are locked FOR SHARE instead (no flag: a permit's release always looks).
+_PG_ENQUEUE_ROWS = f"""
+WITH held AS (SELECT 1 FROM {LOCKS} WHERE name = ANY(%s) FOR SHARE)
+INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at)
+SELECT %s, %s, %s, statement_timestamp(), statement_timestamp() + %s * interval '1 second'
+FROM (SELECT count(*) FROM held) AS h
+RETURNING id
+"""
 
 
 def enqueue(req: Request, rows: list[str] | None = None) -> int:
@@ -216,12 +250,14 @@ def beat(req: Request, ticket: int) -> None:
         if count:
             return
         # Cleaned up after it ran out (the waiter was stalled): same place.
-        execute(
-            connection,
+        sql = (
             f"INSERT INTO {WAITERS} (id, name, token, owner, enqueued_at, expire_at) "
-            f"VALUES (%s, %s, %s, %s, {now}, {now_plus})",
-            [ticket, req.key.name, req.token, req.owner, ticket_ttl()],
+            f"VALUES (%s, %s, %s, %s, {now}, {now_plus})"
         )
+        params = [ticket, req.key.name, req.token, req.owner, ticket_ttl()]
+        if connection.vendor == "postgresql":  # the key's row says so again, if it is there
+            sql, params = f"WITH flagged AS ({_PG_REFLAG}) {sql}", [req.key.name, *params]
+        execute(connection, sql, params)
 
     with_reconnect(req.alias, run)
 

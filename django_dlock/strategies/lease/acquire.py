@@ -24,8 +24,8 @@ from django_dlock.strategies.connection import (
     DEADLOCK_RETRIES,
     cursor,
     deadlocked,
+    execute,
     fetch_one,
-    with_reconnect,
 )
 from django_dlock.strategies.lease.sql import (
     MYSQL_AHEAD,
@@ -40,20 +40,6 @@ from django_dlock.strategies.lease.sql import (
 )
 
 
-def try_acquire(req: Request, ticket: int | None = None) -> int | None:
-    """Take the lease if it is free and no live ticket is ahead; the fencing number.
-
-    Without ``ticket`` (a newcomer) every live ticket is ahead. With it,
-    the granted ticket is deleted.
-    """
-    # Retrying after a dropped connection is safe: the same token takes its
-    # own lease again (if the first try wrote it), with a new fencing number.
-    fence, _ = with_reconnect(req.alias, lambda connection: acquire_on(connection, req, ticket))
-    if ticket is not None and fence is not None:
-        queue.done(ticket)
-    return fence
-
-
 def acquire_on(connection: BaseDatabaseWrapper, req: Request, ticket: int | None) -> int | None:
     """One try on ``connection``: the fencing number, or ``None`` if not granted."""
     vendor = connection.vendor  # one of the three: checked with the strategy
@@ -61,16 +47,16 @@ def acquire_on(connection: BaseDatabaseWrapper, req: Request, ticket: int | None
         return _mysql_acquire(connection, req, ticket)
     name, token = req.key.name, req.token
     place = queue.NEWCOMER if ticket is None else ticket
-    params = [name, token, req.owner, req.ttl, name, place, name, token, place]
     if vendor == "postgresql":
+        params = [name, token, req.owner, req.ttl, place, place]
         if ticket is not None:
             sql = PG_ACQUIRE_TICKET_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
             row = fetch_one(connection, sql, [*params, ticket], True)
             return None if row is None else int(row[0])
-        sql = PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
-    else:
-        sql = SQLITE_ACQUIRE
-    row = fetch_one(connection, sql, params, True)
+        row = execute(connection, PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT], params, True)[0]
+        return None if row is None else int(row[0])
+    params = [name, token, req.owner, req.ttl, name, place, name, token, place]
+    row = fetch_one(connection, SQLITE_ACQUIRE, params, True)
     if row is None:
         return None
     if ticket is not None:

@@ -2,7 +2,8 @@
 
 Acquire is one statement on PostgreSQL and SQLite (an upsert that takes the
 row only when its lease has ended and no live ticket is ahead, or when it is
-already the caller's) and a short transaction of several on MySQL/MariaDB.
+already the caller's; on PostgreSQL the queue is read only when the key's
+row says somebody may wait) and a short transaction of several on MySQL/MariaDB.
 Every acquire is a new grant: a new fencing number and a new
 ``acquired_at``, also over the caller's own live lease (left behind by a
 release that could not reach the database, or written by a try whose answer
@@ -30,26 +31,28 @@ WAITERS = WAITER_TABLE
 NOTIFY_CHANNEL = "django_dlock"
 
 # PostgreSQL acquire, with {new_fence} and {returning} filled per durability.
+# Parameters: name, token, owner, ttl, the caller's ticket (NEWCOMER without),
+# and that ticket again. The queue is read only when the key's row says that
+# somebody may wait (``queued``, set by every ticket on the key's row, which
+# it creates if missing): a key without a row has no ticket. The flag is
+# cleared once no ticket is left, judged by ``django_dlock_queued`` after the
+# row is locked (a snapshot of its own: it sees a ticket committed while
+# this statement waited for the row).
 _PG_ACQUIRE = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
-SELECT %s, %s, %s, {{new_fence}}, statement_timestamp(),
-       statement_timestamp() + %s * interval '1 second'
-WHERE NOT EXISTS (
-        SELECT 1 FROM {WAITERS} w WHERE w.name = %s
-        AND w.expire_at > statement_timestamp() AND w.id < %s)
-   OR EXISTS (
-        SELECT 1 FROM {TABLE} o WHERE o.name = %s AND o.token = %s
-        AND o.expire_at > statement_timestamp())
+VALUES (%s, %s, %s, {{new_fence}}, statement_timestamp(),
+        statement_timestamp() + %s * interval '1 second')
 ON CONFLICT (name) DO UPDATE SET
     token = EXCLUDED.token,
     owner = EXCLUDED.owner,
     fence = GREATEST(EXCLUDED.fence, l.fence + 1),
     acquired_at = EXCLUDED.acquired_at,
-    expire_at = EXCLUDED.expire_at
+    expire_at = EXCLUDED.expire_at,
+    queued = CASE WHEN l.queued THEN {queue.PG_QUEUED.format(name="l.name", besides="%s")} END
 WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
-   OR (l.expire_at <= statement_timestamp() AND NOT EXISTS (
+   OR (l.expire_at <= statement_timestamp() AND (l.queued IS NOT TRUE OR NOT EXISTS (
         SELECT 1 FROM {WAITERS} w WHERE w.name = l.name
-        AND w.expire_at > statement_timestamp() AND w.id < %s))
+        AND w.expire_at > statement_timestamp() AND w.id < %s)))
 RETURNING fence{{returning}}
 """
 # Fast durability (DLOCK_LEASE_SYNCHRONOUS_COMMIT = False): the statement's
@@ -132,16 +135,18 @@ WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token OR l.toke
 RETURNING fence
 """
 
-# Wakes the head of the key's queue, if any (nothing is sent when nobody
-# waits): the queue of the key, named by the last parameter (a semaphore's
-# permit rows share their semaphore's queue).
+# Wakes the head of the key's queue when somebody may wait (``queued`` on the
+# row as it is once locked: a ticket committed while the release waited for
+# the row has set it). Parameters: name, token, and the key of the queue
+# (twice): a semaphore's permit rows share their semaphore's queue and
+# carry no flag, so a permit's release always looks.
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
-    RETURNING name{{returning}}
+    RETURNING name, queued{{returning}}
 )
-SELECT {queue.PG_WAKE_HEAD.format(name="%s")}
+SELECT CASE WHEN queued OR name <> %s THEN {queue.PG_WAKE_HEAD.format(name="%s")} END
 FROM released
 """
 PG_RELEASE_SQL = {

@@ -32,6 +32,7 @@ from django_dlock.strategies.base import (
     Grant,
     Guards,
     Request,
+    SharesApart,
     Strategy,
     TakesTickets,
 )
@@ -41,7 +42,7 @@ from django_dlock.strategies.connection import (
     lock_connection,
     with_reconnect,
 )
-from django_dlock.strategies.lease.acquire import acquire_on, try_acquire
+from django_dlock.strategies.lease.acquire import acquire_on
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
 from django_dlock.strategies.lease.waiting import Look, TicketWait, attempt, look
 
@@ -118,7 +119,9 @@ class LeaseStrategy:
     #: a lease outlives the caller's transaction (released or expired, never rolled back)
     transaction_scoped = False
     leased = True
-    shares = False
+    #: many readers or one writer: readers' leases are rows of their own (SharesApart)
+    shares = True
+    shared_by = "django_dlock.strategies.lease.shared:shared_lease"
     #: a semaphore's permits: a lease row each (CountsPermits)
     permits_by = "django_dlock.strategies.lease.permits:permit_strategy"
 
@@ -146,20 +149,26 @@ class LeaseStrategy:
         """Take the lease if it is free and no live ticket is ahead; the fencing number.
 
         Without ``ticket`` (a newcomer) every live ticket is ahead. With it,
-        the granted ticket is deleted.
+        the granted ticket is deleted. One try is :meth:`acquire_on` (a
+        semaphore's permit, a reader: theirs, which record the row they
+        took in ``req.row``).
         """
-        return try_acquire(req, ticket)
+        # Retrying after a dropped connection is safe: the same token takes its
+        # own lease again (if the first try wrote it), with a new fencing number.
+        fence, _ = with_reconnect(
+            req.alias, lambda connection: self.acquire_on(connection, req, ticket)
+        )
+        if ticket is not None and fence is not None:
+            queue.done(ticket)
+        return fence
 
     def look(self, req: Request, ticket: int) -> Look:
         """A waiter's look: how long the key stays taken, and whether a live
         ticket is ahead of ``ticket``."""
         return look(req, ticket)
 
-    def acquire_on(
-        self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
-    ) -> int | None:
-        """One try on ``connection`` (a quorum's private connection to one database)."""
-        return acquire_on(connection, req, ticket)
+    #: one try on a connection (a quorum's: its private connection to one database)
+    acquire_on = staticmethod(acquire_on)
 
     def wait_ticket(
         self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
@@ -253,13 +262,11 @@ class LeaseStrategy:
     def release(self, req: Request) -> bool:
         if req.hold_at_least:  # TaskLock's min_hold
             return self.release_after(req, req.hold_at_least)
-        caller = connections[req.alias]
-        if caller.vendor == "sqlite" and caller.in_atomic_block:
-            connection = lock_connection(req.alias)
-            if connection is caller:  # the caller's transaction has written
-                return _release_after_transaction(connection, req, self.release_on)
+        connection = lock_connection(req.alias)
+        if connection.in_atomic_block:  # SQLite: the caller's transaction has written
+            return _release_after_transaction(connection, req, self.release_on)
         released, retried = with_reconnect(
-            req.alias, lambda connection: self.release_on(connection, req)
+            req.alias, lambda connection: self.release_on(connection, req), connection
         )
         if not released and retried:
             # The first try may have released before its connection dropped:
@@ -272,8 +279,8 @@ class LeaseStrategy:
         """Release on ``connection``; ``False`` if the lease there is no longer ours."""
         if connection.vendor == "postgresql":
             sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
-            params = [req.row, req.token, req.key.name]  # wakes the key's queue
-            return fetch_one(connection, sql, params) is not None
+            params = [req.row, req.token, req.key.name, req.key.name]  # wakes the key's queue
+            return execute(connection, sql, params)[0] is not None
         sql = (
             f"UPDATE {TABLE} SET token = '', expire_at = {dbclock.now_sql(connection)} "
             f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
@@ -442,3 +449,4 @@ _implements_strategy: Strategy = lease  # (checked by mypy)
 _takes_tickets: TakesTickets = lease  # (checked by mypy)
 _guards: Guards = lease  # (checked by mypy)
 _counts_permits: CountsPermits = lease  # (checked by mypy)
+_shares_apart: SharesApart = lease  # (checked by mypy)
