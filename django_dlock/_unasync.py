@@ -21,13 +21,18 @@ T = TypeVar("T")
 def run_to_end(coro: Coroutine[Any, Any, T]) -> T:
     """The result of a coroutine whose every await completes at once, run
     without an event loop (in the calling thread)."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-    coro.close()
-    raise RuntimeError("a blocking step suspended: it cannot run without an event loop")
+    # Iterated, a coroutine that returns None ends without a StopIteration
+    # (one exception per call saved): its result is handed out in a list.
+    result: list[T] = []
+
+    async def kept() -> None:
+        result.append(await coro)
+
+    runner = kept()
+    for _ in runner.__await__():
+        runner.close()
+        raise RuntimeError("a blocking step suspended: it cannot run without an event loop")
+    return result[0]
 
 
 def blocking(func: Callable[P, T]) -> Callable[P, Awaitable[T]]:

@@ -123,7 +123,7 @@ class Attempt:
         opts = self.opts
         made = Holding(req, opts.strategy, grant.fence, opts.signal_sender, on_lost=opts.on_lost)
         renewal = Renewal(opts.ttl, opts.max_hold) if opts.renew else None
-        wait = self.deadline.elapsed()
+        wait = time.monotonic() - self.deadline.start  # (deadline.elapsed(), inline)
         holdings.take(self.holder, made, sent_at=sent_at, wait=wait, renewal=renewal)
         self.taken.append(req.key)
 

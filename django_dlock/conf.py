@@ -1,7 +1,10 @@
 """Typed, lazy access to the ``DLOCK_*`` settings.
 
-Every value is read from ``django.conf.settings`` at call time, so
-``override_settings`` always works. Validation lives in
+Every value is read from ``django.conf.settings`` when first used and
+remembered until a ``setting_changed`` signal says it changed, so
+``override_settings`` (and pytest-django's ``settings`` fixture) always
+works, and the hot path never asks Django for a setting it does not have
+(which costs an ``AttributeError`` each time). Validation lives in
 :mod:`django_dlock.validation` (one function per value, used by the system
 checks at start-up and by the lock before any SQL runs).
 """
@@ -13,6 +16,8 @@ from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings
 from django.core.signals import setting_changed
+from django.db import router
+from django.db.models import Model
 from django.dispatch import receiver
 
 from django_dlock.exceptions import StrategyNotSupported
@@ -53,11 +58,19 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: each setting's value as read, until settings change
+_READ: dict[str, Any] = {}
+_MISSING = object()
+
+
 class Settings:
     """Lazy view of the ``DLOCK_*`` settings with their defaults."""
 
     def _get(self, name: str) -> Any:
-        return getattr(settings, name, DEFAULTS[name])
+        value = _READ.get(name, _MISSING)
+        if value is _MISSING:
+            value = _READ[name] = getattr(settings, name, DEFAULTS[name])
+        return value
 
     @property
     def DEFAULT_STRATEGY(self) -> str:  # noqa: N802 (mirrors the setting name)
@@ -81,7 +94,10 @@ class Settings:
     @property
     def LEASE_SYNCHRONOUS_COMMIT(self) -> bool:  # noqa: N802
         """False: PostgreSQL lease writes skip the WAL flush wait (see strategies.lease)."""
-        return bool(self._get("DLOCK_LEASE_SYNCHRONOUS_COMMIT"))
+        value = _READ.get("DLOCK_LEASE_SYNCHRONOUS_COMMIT", _MISSING)  # (read per statement)
+        if value is _MISSING:
+            value = self._get("DLOCK_LEASE_SYNCHRONOUS_COMMIT")
+        return bool(value)
 
     @property
     def MIDDLEWARE_RULES(self) -> object:  # noqa: N802
@@ -146,6 +162,8 @@ def checked(setting: str) -> Any:
 
 @receiver(setting_changed)
 def _forget_checked(setting: str, **kwargs: Any) -> None:
+    if setting in DEFAULTS:
+        _READ.pop(setting, None)
     if setting in _DEFAULT_CHECKS:
         _CHECKED.clear()
 
@@ -158,11 +176,17 @@ def lock_alias(using: str | None = None) -> str:
     """
     if using is not None:
         return using
-    from django.db import router
+    if not router.routers:  # no router: Django's answer, without the call
+        return "default"
+    global _lock_model
+    if _lock_model is None:  # (imported once: an import statement costs as much as a dozen calls)
+        from django_dlock.models import Lock
 
-    from django_dlock.models import Lock
+        _lock_model = Lock
+    return router.db_for_write(_lock_model) or "default"
 
-    return router.db_for_write(Lock) or "default"
+
+_lock_model: type[Model] | None = None
 
 
 T = TypeVar("T")

@@ -38,7 +38,6 @@ import contextlib
 import functools
 import hashlib
 import math
-import re
 import select
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +50,7 @@ from django_dlock import holdings
 from django_dlock.exceptions import GuardNotSupported, LockLost
 from django_dlock.holdings import Holding
 from django_dlock.strategies.base import Guards, Request, guards
+from django_dlock.strategies.connection import numbered
 
 __all__ = ["guarded", "pinned", "same_database"]
 
@@ -317,9 +317,7 @@ def _next_result(pgconn: Any) -> Any:
 def _check_statement(query: str) -> tuple[bytes, bytes]:
     """The check of :func:`_pinned_at_commit` for a pin ``query`` (``%s``
     parameters, numbered for libpq), and the name it is prepared under."""
-    numbered = iter(range(1, query.count("%s") + 1))
-    sql = re.sub("%s", lambda _: f"${next(numbered)}", f"SELECT 1 / coalesce(({query}), 0)")
-    encoded = sql.encode()
+    encoded = numbered(f"SELECT 1 / coalesce(({query}), 0)").sql
     return encoded, b"dlock_check_" + hashlib.sha1(encoded).hexdigest()[:16].encode()
 
 

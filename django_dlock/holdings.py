@@ -32,16 +32,23 @@ from typing import Any, TypeVar
 
 from django_dlock import signals, tracing
 from django_dlock._threads import close_thread_connections
+from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable, LockLost, SessionBusy
 from django_dlock.identity import Holder, Slot, current_task, holder_alive
 from django_dlock.renewal import Renewer
-from django_dlock.strategies.base import Request, Strategy
+from django_dlock.retry import Deadline
+from django_dlock.strategies.base import Request, Strategy, Upgrades
 
 __all__ = ["Holding"]
 
 logger = logging.getLogger("django_dlock")
 
 T = TypeVar("T")
+
+#: how much earlier than ``sent_at + ttl`` a lease may end on the database
+#: clock: SQLite keeps its times in milliseconds, truncated, so a lease set
+#: to end ``ttl`` after "now" can end up to a millisecond before that
+CLOCK_GRAIN = 0.001
 
 
 @dataclass(eq=False)
@@ -87,10 +94,11 @@ class Holding:
         """The lease was set to ``ttl`` seconds by a statement sent at ``sent_at``.
 
         The database stamped the new expiry at or after ``sent_at``, so the
-        lease lasts at least until ``sent_at + ttl`` on our monotonic clock.
+        lease lasts at least until ``sent_at + ttl`` on our monotonic clock
+        (less :data:`CLOCK_GRAIN`, what the database's times round off).
         """
         if self.valid_until != math.inf:
-            self.valid_until = sent_at + ttl
+            self.valid_until = sent_at + ttl - CLOCK_GRAIN
 
     def loss_reason(self, default: str) -> str:
         """Why the database no longer has this holding, as the strategy can tell."""
@@ -147,7 +155,11 @@ def current(holder: Holder, slot: Slot) -> Holding | None:
     ``ended(request)`` (no query) when the database has dropped the lock.
     """
     holding = holder.holdings.get(slot)
-    if holding is not None and holding.strategy.ended(holding.request):
+    if (
+        holding is not None
+        and holding.strategy.transaction_scoped  # (the others never end on their own)
+        and holding.strategy.ended(holding.request)
+    ):
         holder.holdings.pop(slot, None)
         holder.losses.pop(slot, None)
         if holding.renewer is not None:
@@ -191,6 +203,30 @@ def renew_or_lose(holding: Holding, ttl: float) -> None:
     """One statement: renew the lease if it is still ours, else record the loss."""
     if not renew(holding, ttl):
         holding.mark_lost(holding.loss_reason("the lease ran out before re-entry"))
+
+
+def upgrade(holding: Holding, deadline: Deadline, policy: RetryInterval) -> bool:
+    """Turn ``holding``, an upgradeable read lease, into its key's write lease
+    (see :class:`~django_dlock.strategies.base.Upgrades`); ``False`` if other
+    readers still held the key at ``deadline``, :class:`LockLost` (recorded)
+    if the read lease is gone."""
+    if holding.lost:
+        raise holding.error()
+    strategy = holding.strategy
+    if not isinstance(strategy, Upgrades):  # (refused when the lock was made)
+        raise TypeError(f"{strategy!r} cannot upgrade a holding")
+    sent_at = time.monotonic()
+    fence = strategy.upgrade(holding.request, deadline, policy)
+    if fence is False:
+        holding.mark_lost(holding.loss_reason("the read lease was lost before its upgrade"))
+        raise holding.error()
+    if fence is None:
+        return False
+    holding.request.shared = False  # the holder may now re-enter it exclusively
+    holding.fence = fence
+    holding.renewed(sent_at, holding.request.ttl)
+    logger.debug("django-dlock: upgraded %s to its write lock (fence %s)", holding.name, fence)
+    return True
 
 
 def extend(holdings: Iterable[Holding], seconds: float) -> None:
@@ -262,7 +298,7 @@ def take(
     """Record ``holding``, just acquired, in the holder's table (and start its renewer)."""
     req, strategy, fence = holding.request, holding.strategy, holding.fence
     if strategy.leased:
-        holding.valid_until = sent_at + req.ttl
+        holding.valid_until = sent_at + req.ttl - CLOCK_GRAIN
     slot = holding.slot
     previous = holder.holdings.get(slot)
     if previous is not None:  # lost, and now acquired afresh
@@ -345,33 +381,11 @@ def release_one(holder: Holder, holding: Holding) -> None:
             holding.renewer.stop()
         except BaseException as exc:
             renewer_error = exc
-    with _releasing(holding):
-        if holding.lost:
-            # Known lost: the release only tidies up (a lease still ours is
-            # freed, a session forgets the key); what it says changes nothing.
-            try:
-                holding.strategy.release(req)
-            except Exception as exc:
-                logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
-        else:
-            try:
-                released = holding.strategy.release(req)
-            except SessionBusy:
-                # Nothing was sent: the lock is still held, and still this holder's.
-                holding.count += 1
-                holder.holdings[slot] = holding
-                holder.losses[slot] = holding.mark_lost
-                raise
-            except DatabaseUnavailable as exc:
-                logger.warning(
-                    "django-dlock: could not release %s, the database could not be reached "
-                    "(%s); it is forgotten here, and a lease stays until it runs out",
-                    req.key.name,
-                    exc,
-                )
-                raise
-            if not released:
-                holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
+    if holding.span is not None and tracing.tracer is not None:
+        with tracing.tracer.releasing(holding):  # its ``dlock.release`` span
+            _tell_database(holder, holding)
+    else:
+        _tell_database(holder, holding)
     if holding.lost:
         raise holding.error()
     held = time.monotonic() - holding.acquired_at
@@ -395,15 +409,36 @@ def release_one(holder: Holder, holding: Holding) -> None:
         raise renewer_error
 
 
-#: what a release runs in when it is not traced (reusable: it holds no state)
-_UNTRACED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-
-
-def _releasing(holding: Holding) -> contextlib.AbstractContextManager[None]:
-    """The ``dlock.release`` span of ``holding``'s release, when traced."""
-    if holding.span is None or tracing.tracer is None:
-        return _UNTRACED
-    return tracing.tracer.releasing(holding)
+def _tell_database(holder: Holder, holding: Holding) -> None:
+    """The database part of :func:`release_one`: release, or tidy up a lost holding."""
+    req = holding.request
+    slot = holding.slot
+    if holding.lost:
+        # Known lost: the release only tidies up (a lease still ours is
+        # freed, a session forgets the key); what it says changes nothing.
+        try:
+            holding.strategy.release(req)
+        except Exception as exc:
+            logger.debug("django-dlock: tidying up lost %s failed: %s", req.key.name, exc)
+    else:
+        try:
+            released = holding.strategy.release(req)
+        except SessionBusy:
+            # Nothing was sent: the lock is still held, and still this holder's.
+            holding.count += 1
+            holder.holdings[slot] = holding
+            holder.losses[slot] = holding.mark_lost
+            raise
+        except DatabaseUnavailable as exc:
+            logger.warning(
+                "django-dlock: could not release %s, the database could not be reached "
+                "(%s); it is forgotten here, and a lease stays until it runs out",
+                req.key.name,
+                exc,
+            )
+            raise
+        if not released:
+            holding.mark_lost(holding.loss_reason("the database no longer had it at release"))
 
 
 def release_all(holder: Holder, holdings: Iterable[Holding]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -50,8 +51,9 @@ class Worker:
     #: what this process runs, when it is a management command ("manage.py migrate")
     program: str = ""
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
+        """``host pid=N`` and the program (kept: asked for every lock taken)."""
         label = f"{self.host} pid={self.pid}"
         return f"{label} {self.program}" if self.program else label
 
@@ -211,7 +213,9 @@ def current_task() -> asyncio.Task[Any] | None:
 
 def current_holder() -> Holder:
     """The holder for the calling context: its asyncio task, else its thread."""
-    task = current_task()
+    # (current_task, inline: asked for every acquire and release)
+    loop = asyncio._get_running_loop()
+    task = None if loop is None else asyncio.current_task(loop)
     if task is not None:
         with _tasks_mutex:
             holder = _tasks.get(task)

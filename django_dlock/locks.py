@@ -34,7 +34,7 @@ import inspect
 import logging
 import os
 from asyncio import _get_running_loop
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from typing import (
     TYPE_CHECKING,
@@ -44,7 +44,6 @@ from typing import (
     ParamSpec,
     TypedDict,
     TypeVar,
-    cast,
     overload,
 )
 
@@ -71,8 +70,8 @@ from django_dlock.identity import Holder, current_holder
 from django_dlock.keys import Key, LockKey, make_key
 from django_dlock.options import Options
 from django_dlock.retry import Deadline
-from django_dlock.strategies import supported, traits
-from django_dlock.strategies.base import HELD, ExplainsBusy, Request, Strategy
+from django_dlock.strategies import for_shared, supported, traits
+from django_dlock.strategies.base import HELD, ExplainsBusy, Request, Strategy, Upgrades
 from django_dlock.strategies.connection import statement_deadline
 from django_dlock.validation import (
     alias_error,
@@ -115,6 +114,7 @@ class LockOptions(TypedDict, total=False):
     retry_interval: RetryInterval | None
     on_lost: Callable[[LockLost], None] | None
     shared: bool
+    upgradeable: bool
 
 
 if TYPE_CHECKING:
@@ -126,10 +126,8 @@ else:
     _OnFailT = TypeVar("_OnFailT", bound=OnFail, covariant=True)
 
 
-def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...] | None:
-    """The aliases of a quorum lock (``using=[...]``), checked; None for one alias."""
-    if using is None or isinstance(using, str):
-        return None
+def _quorum_of(using: object, strategy: str | None) -> tuple[str, ...]:
+    """The aliases of a quorum lock (``using=[...]``), checked."""
     from django_dlock.strategies.quorum import quorum_aliases, quorum_strategy
 
     aliases = quorum_aliases(using)
@@ -227,9 +225,15 @@ class Lock(Generic[_OnFailT]):
             ``"skip"`` (return ``None`` without calling the function; logged
             at INFO). A ``with`` block refuses ``"skip"`` (``ValueError``).
         shared: take a shared (read) lock: many shared holders at once, or
-            one exclusive. The ``advisory`` and ``advisory_xact`` strategies on
-            PostgreSQL have them; the others refuse ``shared=True`` with
+            one exclusive. The ``lease`` strategy has them (first come, first
+            served with writers), and ``advisory`` and ``advisory_xact`` on
+            PostgreSQL; the others refuse ``shared=True`` with
             :class:`StrategyNotSupported`.
+        upgradeable: take an upgradeable read lock (``lease`` only; implies
+            ``shared``): at most one holder at a time holds the key
+            upgradeable, beside the readers, and :meth:`upgrade` turns it
+            into the write lock once the other readers have left, with no
+            writer in between.
 
     Arguments given are checked at once. Values that come from settings
     (``DLOCK_DEFAULT_*``, ``DLOCK_RETRY_INTERVAL``) are read when the lock is
@@ -268,6 +272,7 @@ class Lock(Generic[_OnFailT]):
         on_lost: Callable[[LockLost], None] | None = None,
         on_fail: Literal["raise"] = "raise",
         shared: bool = False,
+        upgradeable: bool = False,
     ) -> None: ...
 
     @overload
@@ -286,6 +291,7 @@ class Lock(Generic[_OnFailT]):
         on_lost: Callable[[LockLost], None] | None = None,
         on_fail: Literal["skip"],
         shared: bool = False,
+        upgradeable: bool = False,
     ) -> None: ...
 
     def __init__(
@@ -303,6 +309,7 @@ class Lock(Generic[_OnFailT]):
         on_lost: Callable[[LockLost], None] | None = None,
         on_fail: str = "raise",
         shared: bool = False,
+        upgradeable: bool = False,
     ) -> None:
         self._raw_key = key
         self._keys: list[Key] | None = None if key is None else self._make_keys(key)
@@ -315,11 +322,12 @@ class Lock(Generic[_OnFailT]):
             if problem is not None:
                 raise StrategyNotSupported(problem)
         self._strategy_name_arg = strategy
-        if ttl is not None:
-            validated(ttl_error(ttl))
+        # (each check inline: a lock is made per call, and a call costs)
+        if ttl is not None and (problem := ttl_error(ttl)) is not None:
+            raise ValueError(problem)
         self._ttl_arg = None if ttl is None else float(ttl)
-        if timeout is not UNSET:
-            validated(timeout_error(timeout))
+        if timeout is not UNSET and (problem := timeout_error(timeout)) is not None:
+            raise ValueError(problem)
         self._timeout_arg = timeout
         if retry_interval is not None:
             validated(retry_interval_error(retry_interval))
@@ -330,15 +338,21 @@ class Lock(Generic[_OnFailT]):
         if on_fail not in ("raise", "skip"):
             raise ValueError(f'on_fail must be "raise" or "skip", got {on_fail!r}')
         #: the databases of a quorum lock (``using=[...]``), else None
-        self._quorum = _quorum_of(using, strategy)
-        self.using: str | None = self._quorum[0] if self._quorum else cast("str | None", using)
+        self.using: str | None
+        if using is None or isinstance(using, str):
+            self._quorum = None
+            self.using = using
+        else:
+            self._quorum = _quorum_of(using, strategy)
+            self.using = self._quorum[0]
         if self.using is not None:
             validated(alias_error(self.using))
         self.renew = bool(renew)
         self.reentrant = bool(reentrant)
         self.on_lost = on_lost
         self.on_fail = on_fail
-        self.shared = bool(shared)
+        self.upgradeable = bool(upgradeable)
+        self.shared = bool(shared) or self.upgradeable
         #: places taken by :meth:`enqueue`, not yet waited for (made by the first)
         self._places: two_phase.Places | None = None
 
@@ -360,30 +374,40 @@ class Lock(Generic[_OnFailT]):
     def _options(self) -> Options:
         """This call's options: every one that comes from settings read and
         checked (before any SQL), the database and the strategy resolved."""
-        alias = self.alias
-        strategy = self._strategy(alias)
-        if self.shared and not strategy.shares:
-            raise StrategyNotSupported(
-                f"the {self.strategy_name} strategy on {alias!r} has no shared locks: "
-                "shared=True needs the advisory or advisory_xact strategy on PostgreSQL "
-                "(many readers or one writer); take the lock exclusively instead"
-            )
+        alias = self.using if self.using is not None else lock_alias()
+        name = self.strategy_name
+        strategy = self._strategy(alias)  # (a semaphore's: with its permits)
+        if self.shared:
+            if not strategy.shares:
+                raise StrategyNotSupported(
+                    f"the {self.strategy_name} strategy on {alias!r} has no shared locks: "
+                    "shared=True needs the lease strategy (one database), or advisory or "
+                    "advisory_xact on PostgreSQL (many readers or one writer); take the "
+                    "lock exclusively instead"
+                )
+            strategy = for_shared(strategy)
+            if self.upgradeable and not isinstance(strategy, Upgrades):
+                raise StrategyNotSupported(
+                    f"the {self.strategy_name} strategy on {alias!r} has no upgradeable "
+                    "read locks: upgradeable=True needs the lease strategy (one database)"
+                )
         return Options(
-            keys=tuple(self.keys),
+            keys=tuple(self._keys if self._keys is not None else self.keys),  # (.keys: no key)
             alias=alias,
             strategy=strategy,
-            strategy_name=self.strategy_name,
+            strategy_name=name,
             quorum=self._quorum,
             ttl=self.ttl,
             max_hold=self.max_hold,
             renew=self.renew,
             reentrant=self.reentrant,
             shared=self.shared,
+            upgradeable=self.upgradeable,
             hold_at_least=self._hold_at_least,
             retry_interval=self.retry_interval,
             on_lost=self.on_lost,
             signal_sender=self.signal_sender,
-            queues_waiters=self._quorum is None and traits(self.strategy_name)[2],
+            queues_waiters=self._quorum is None and traits(name)[2],
         )
 
     # -- keys ----------------------------------------------------------------
@@ -433,13 +457,13 @@ class Lock(Generic[_OnFailT]):
 
     def _holdings(self, holder: Holder | None = None) -> list[Holding]:
         holder = holder or current_holder()
-        alias = self.alias
+        alias = self.using if self.using is not None else lock_alias()
         if self._quorum is not None:
             family = self._quorum_strategy(self._quorum).family
         else:
             family = traits(self.strategy_name)[0]
         found = []
-        for key in self.keys:
+        for key in self._keys if self._keys is not None else self.keys:  # (.keys: no key)
             holding = holdings.current(holder, (alias, family, key.name))
             if holding is not None:
                 found.append(holding)
@@ -520,8 +544,12 @@ class Lock(Generic[_OnFailT]):
                 is not acquired (see "When the database cannot be reached"
                 in the strategies documentation for what may be left).
         """
-        _refuse_in_event_loop(self, "acquire() (or a `with` block)", "`await lk.aacquire()`")
-        deadline = Deadline(self._resolve_timeout(blocking, timeout))
+        if _get_running_loop() is not None:
+            _refuse_in_event_loop(self, "acquire() (or a `with` block)", "`await lk.aacquire()`")
+        if blocking and timeout is UNSET:
+            deadline = Deadline(self.timeout)
+        else:
+            deadline = Deadline(self._resolve_timeout(blocking, timeout))
         opts = self._options()
         if metrics.observer is None and tracing.tracer is None:
             return self._acquire(opts, deadline)
@@ -601,12 +629,14 @@ class Lock(Generic[_OnFailT]):
                 holding is forgotten all the same; a lease stays in the
                 database until it runs out.
         """
-        _refuse_in_event_loop(self, "release()", "`await lk.arelease()`")
+        if _get_running_loop() is not None:
+            _refuse_in_event_loop(self, "release()", "`await lk.arelease()`")
         holder = current_holder()
-        queued = self._take_place(holder)
-        if queued is not None:
-            two_phase.give_up(queued, holder)
-            return
+        if self._places is not None:
+            queued = self._take_place(holder)
+            if queued is not None:
+                two_phase.give_up(queued, holder)
+                return
         holdings.release_all(holder, self._all_held(holder, releasing=True))
 
     async def arelease(self) -> None:
@@ -625,11 +655,11 @@ class Lock(Generic[_OnFailT]):
     def _all_held(self, holder: Holder | None = None, releasing: bool = False) -> list[Holding]:
         """The holdings of every key, or :class:`LockNotOwned` (and, ``releasing``,
         :class:`DLockError` for a transaction-scoped lock)."""
-        if releasing:
+        if releasing and not _LEAVING.get():
             self._refuse_early_release()
         holder = holder or current_holder()
         found = self._holdings(holder)
-        if len(found) != len(self.keys):
+        if len(found) != len(self._keys or self.keys):
             raise LockNotOwned(f"{self.name!r} is not held by this {holder.kind} {holder.label!r}")
         return found
 
@@ -678,6 +708,49 @@ class Lock(Generic[_OnFailT]):
         seconds = self.ttl if ttl is None else ttl
         validated(ttl_error(seconds))
         return float(seconds)
+
+    # -- upgrading a read lock ----------------------------------------------------
+
+    def upgrade(self, timeout: float | None = UNSET) -> bool:
+        """Turn the caller's upgradeable read lock into the write lock.
+
+        Waits until the other readers have left (readers that arrive
+        meanwhile wait behind it), then holds the key alone, with a new
+        fencing number; no writer gets in between, so what the caller read
+        is still what a writer would find. ``True`` once upgraded, ``False``
+        if readers still held the key at the end of ``timeout`` (the lock's
+        timeout unless given): the caller then still holds its read lock.
+        Releasing, or leaving the block, releases the write lock.
+
+        Raises:
+            DLockError: the caller holds no upgradeable read lock of this key
+                (take it with ``upgradeable=True``), or the lock has several keys.
+            LockLost: the read lock was lost; nothing was upgraded.
+        """
+        _refuse_in_event_loop(self, "upgrade()", "`await lk.aupgrade()`")
+        deadline = Deadline(self._resolve_timeout(True, timeout))
+        return holdings.upgrade(self._upgradeable(), deadline, self.retry_interval)
+
+    async def aupgrade(self, timeout: float | None = UNSET) -> bool:
+        """Async :meth:`upgrade` (it waits off the event loop)."""
+        deadline = Deadline(self._resolve_timeout(True, timeout))
+        holding = self._upgradeable()
+        return bool(
+            await sync_to_async(holdings.upgrade, thread_sensitive=False)(
+                holding, deadline, self.retry_interval
+            )
+        )
+
+    def _upgradeable(self) -> Holding:
+        if len(self.keys) != 1:
+            raise DLockError("upgrade() needs a lock of one key")
+        held = self._holdings()
+        if not held or not held[0].request.upgradeable:
+            raise DLockError(
+                f"{self.name!r}: upgrade() needs an upgradeable read lock held by the "
+                "caller (take it with upgradeable=True)"
+            )
+        return held[0]
 
     # -- guarded writes -----------------------------------------------------------
 
@@ -837,7 +910,8 @@ class Lock(Generic[_OnFailT]):
             )
 
     def __enter__(self) -> Lock:
-        self._refuse_skip()
+        if self.on_fail == "skip":
+            self._refuse_skip()
         if not self.acquire():
             raise self._timeout_error()
         return self
@@ -856,37 +930,40 @@ class Lock(Generic[_OnFailT]):
 
     def _leave(self, exc: BaseException | None) -> None:
         """Release on leaving a block or a guarded call that raised ``exc`` (or not)."""
-        with self._leaving(exc):
+        leaving = _LEAVING.set(True)
+        try:
             self.release()
+        except (LockLost, DatabaseUnavailable) as error:
+            if exc is None:
+                raise
+            self._hidden(error)
+        finally:
+            _LEAVING.reset(leaving)
 
     async def _aleave(self, exc: BaseException | None) -> None:
         """Async :meth:`_leave`."""
-        with self._leaving(exc):
-            await self.arelease()
-
-    @contextlib.contextmanager
-    def _leaving(self, exc: BaseException | None) -> Iterator[None]:
         leaving = _LEAVING.set(True)
         try:
-            yield
-        except LockLost:
-            # Leaving the block raises LockLost, but never hides the body's
-            # own exception.
+            await self.arelease()
+        except (LockLost, DatabaseUnavailable) as error:
             if exc is None:
                 raise
-            logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
-        except DatabaseUnavailable:
-            # The same for a release that could not reach the database (the
-            # body's exception is often the same outage).
-            if exc is None:
-                raise
-            logger.warning(
-                "django-dlock: %s could not be released while an exception was raised: "
-                "the database could not be reached",
-                self.name,
-            )
+            self._hidden(error)
         finally:
             _LEAVING.reset(leaving)
+
+    def _hidden(self, error: LockLost | DatabaseUnavailable) -> None:
+        """Log what leaving a block raised instead of raising it: leaving raises
+        :class:`LockLost` (or the outage of a release that could not reach the
+        database), but never hides the body's own exception (often the same outage)."""
+        if isinstance(error, LockLost):
+            logger.warning("django-dlock: %s was lost while an exception was raised", self.name)
+            return
+        logger.warning(
+            "django-dlock: %s could not be released while an exception was raised: "
+            "the database could not be reached",
+            self.name,
+        )
 
     # -- decorator ----------------------------------------------------------------
 
@@ -989,6 +1066,7 @@ def lock(
     on_lost: Callable[[LockLost], None] | None = None,
     on_fail: Literal["raise"] = "raise",
     shared: bool = False,
+    upgradeable: bool = False,
 ) -> Lock[Literal["raise"]]: ...
 
 
@@ -1007,6 +1085,7 @@ def lock(
     on_lost: Callable[[LockLost], None] | None = None,
     on_fail: Literal["skip"],
     shared: bool = False,
+    upgradeable: bool = False,
 ) -> Lock[Literal["skip"]]: ...
 
 
@@ -1018,7 +1097,7 @@ def lock(key: LockKey | F | None = None, **options: Any) -> Lock[Any] | F:
     """
     if not options and (inspect.isfunction(key) or inspect.ismethod(key)):
         return Lock()(key)
-    return Lock(cast("LockKey | None", key), **options)
+    return Lock(key, **options)  # type: ignore[arg-type]  # (not a function here: a key)
 
 
 #: the sender of the lock signals, for every kind of lock (``TaskLock`` too)

@@ -2,7 +2,7 @@
 
 :class:`~django_dlock.locks.Lock` is the front: it reads its arguments and
 the settings they default to, resolves the database alias and the strategy,
-and builds one frozen :class:`Options` per call (``acquire``, ``enqueue``,
+and builds one immutable :class:`Options` per call (``acquire``, ``enqueue``,
 ``wait``). Everything below it (the acquiring walk, two-phase places,
 holdings, metrics) takes that value and the holder; none of it imports
 ``Lock`` or calls back into it.
@@ -11,8 +11,7 @@ holdings, metrics) takes that value and the holder; none of it imports
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import LockLost
@@ -25,9 +24,13 @@ if TYPE_CHECKING:
 __all__ = ["Options"]
 
 
-@dataclass(frozen=True, slots=True)
-class Options:
-    """One call's lock options, resolved: keys, database, strategy and policy."""
+class Options(NamedTuple):
+    """One call's lock options, resolved: keys, database, strategy and policy.
+
+    Immutable. A named tuple, not a frozen dataclass: one is built for every
+    acquire, and a frozen dataclass's ``__init__`` costs about three times
+    as much (it sets each field through ``object.__setattr__``).
+    """
 
     #: the keys, in the order they are taken (sorted, no duplicates)
     keys: tuple[Key, ...]
@@ -49,6 +52,8 @@ class Options:
     reentrant: bool
     #: a shared (read) lock
     shared: bool
+    #: an upgradeable read lock (``shared`` too)
+    upgradeable: bool
     #: on release, keep the lease until ``acquired_at + hold_at_least`` (TaskLock)
     hold_at_least: float
     #: the waiting policy when the database cannot wake waiters
@@ -77,8 +82,9 @@ class Options:
             alias=self.alias if alias is None else alias,
             token=holder.token(),
             owner=holder.owner(),
-            ttl=self.lease_ttl,
+            ttl=self.ttl if self.max_hold is None else min(self.ttl, self.max_hold),
             shared=self.shared,
+            upgradeable=self.upgradeable,
             hold_at_least=self.hold_at_least,
             row=key.name,
         )

@@ -43,7 +43,8 @@ def _is_number(value: object) -> bool:
 
 def ttl_error(value: object) -> str | None:
     """Return why ``value`` is not a valid lease TTL, or ``None``."""
-    if not _is_number(value):
+    # (_is_number, inline: checked for every lock made)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         return f"ttl must be a number of seconds, not {type(value).__name__}"
     assert isinstance(value, (int, float))
     if not math.isfinite(value) or value <= 0:
@@ -57,7 +58,7 @@ def timeout_error(value: object) -> str | None:
     """Return why ``value`` is not a valid timeout (None, or seconds >= 0)."""
     if value is None:
         return None
-    if not _is_number(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):  # (_is_number, inline)
         return f"timeout must be None or a number of seconds, not {type(value).__name__}"
     assert isinstance(value, (int, float))
     if math.isnan(value) or value < 0:

@@ -106,6 +106,8 @@ STUB_NAMES = [
     "sync_inventory",
     "call_external_api",
     "save_result",
+    "list_products",
+    "update_prices",
 ]
 
 

@@ -11,6 +11,8 @@ import django_dlock as dlock
 from django_dlock.exceptions import DLockError
 from django_dlock.fencing import fenced_update
 
+from .helpers import publish
+
 
 def stale_holder(alias: str, folder: str) -> None:
     """Take the lock, wait (paused) for ``go``, then write with the fence it had."""
@@ -19,7 +21,7 @@ def stale_holder(alias: str, folder: str) -> None:
     base = Path(folder)
     lk = dlock.lock("fenced:paused", using=alias, ttl=1.0)
     assert lk.acquire(timeout=10)
-    (base / "fence").write_text(str(lk.fence))
+    publish(base / "fence", str(lk.fence))
     while not (base / "go").exists():
         time.sleep(0.02)
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +12,7 @@ from typing import Any
 
 from django.db import connections
 
+import django_dlock as dlock
 from django_dlock import dbclock
 from django_dlock.keys import make_key, pg_locks_ids
 from django_dlock.strategies.connection import close_private_connections
@@ -82,6 +85,16 @@ def row(alias: str, name: str) -> tuple[str, int] | None:
     return None if found is None else (found[0], int(found[1]))
 
 
+def publish(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` whole: another process that sees the file
+    exist reads all of it, even if the writer is paused or killed right after
+    (written beside it, then renamed into place)."""
+    part = f"{os.fspath(path)}.part"
+    with open(part, "w") as f:
+        f.write(text)
+    os.replace(part, path)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
     """Wait (bounded) for ``predicate``: a wait, not an assertion on speed."""
     end = time.monotonic() + timeout
@@ -118,3 +131,39 @@ def give_back_sessions() -> None:
     wait_until(lambda: not sessions.holding_sessions(), timeout=30)
     sessions.close_all()
     close_private_connections()
+
+
+class HeldInThread:
+    """A thread of its own that acquires ``lk`` (a lock, a read lock, a
+    semaphore's permit) and holds it until :meth:`release`; ``fence`` is the
+    number it was granted. A loss while it holds is no error here (some
+    tests take the lock away)."""
+
+    def __init__(self, lk: Any) -> None:
+        self.acquired = threading.Event()
+        self.go = threading.Event()
+        self.fence: int | None = None
+        self.lk = lk
+
+        def run() -> None:
+            try:
+                with contextlib.suppress(dlock.LockLost), lk:
+                    self.fence = lk.fence
+                    self.acquired.set()
+                    self.go.wait(60)
+            finally:
+                close_private_connections()
+                connections.close_all()
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def wait(self) -> HeldInThread:
+        """Return once it holds the lock (bounded: fails if it never does)."""
+        assert self.acquired.wait(30)
+        return self
+
+    def release(self) -> None:
+        self.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()

@@ -314,3 +314,36 @@ def test_check_e012_fencing_must_be_a_bool():
         assert [m.id for m in check_strategy_database()] == ["dlock.E012"]
     with override_settings(DLOCK_ADVISORY_FENCING=True, DLOCK_DEFAULT_STRATEGY="advisory"):
         assert check_strategy_database() == []
+
+
+def test_idle_pooled_sessions_the_server_ended_are_not_lent_again(pg):
+    # every idle session of the pool terminated (a restart, an administrator):
+    # the next lock still gets one that works, not the second dead one
+    def hold_both() -> list[int]:
+        with dlock.lock("ended-a", strategy="advisory", using=pg):
+            pids = [pg_locks("ended-a")[0][0]]
+            pids += in_thread(lambda: _held_pid(pg, "ended-b"))
+            return pids
+
+    try:
+        pids = hold_both()
+        assert len(set(pids)) == 2  # two sessions, both idle in the pool now
+        with connections[pg].cursor() as cur:
+            cur.execute("SELECT count(pg_terminate_backend(pid)) FROM unnest(%s) AS pid", [pids])
+        wait_until(lambda: not _alive(pg, pids))
+        with dlock.lock("ended-a", strategy="advisory", using=pg) as lk:
+            assert lk.owned()
+            assert pg_locks("ended-a")[0][0] not in pids
+    finally:
+        give_back_sessions()
+
+
+def _held_pid(alias: str, key: str) -> list[int]:
+    with dlock.lock(key, strategy="advisory", using=alias):
+        return [pg_locks(key)[0][0]]
+
+
+def _alive(alias: str, pids: list[int]) -> bool:
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", [pids])
+        return bool(cur.fetchone()[0])

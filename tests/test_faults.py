@@ -15,7 +15,7 @@ import django_dlock as dlock
 from django_dlock import signals
 
 from . import procs
-from .helpers import expire_now, in_thread, wait_until
+from .helpers import expire_now, in_thread, publish, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqli
 def _hold_forever(alias: str, ready: str, ttl: float) -> None:
     lk = dlock.lock("victim", using=alias, ttl=ttl)
     lk.acquire()
-    Path(ready).write_text(str(lk.fence))
+    publish(ready, str(lk.fence))
     time.sleep(600)
 
 
@@ -155,7 +155,7 @@ class FencedResource:
 def _paused_holder(alias: str, ready: str, resource: str, outcome: str) -> None:
     lk = dlock.lock("fenced-resource", using=alias, ttl=30)
     lk.acquire()
-    Path(ready).write_text(str(lk.fence))
+    publish(ready, str(lk.fence))
     time.sleep(2.0)  # SIGSTOPped in here, while its lease is taken over
     accepted = FencedResource(resource).write(lk.fence, "stale")
     try:
@@ -171,7 +171,7 @@ def test_paused_holder_is_fenced_off_by_the_resource(alias, tmp_path):
     resource = FencedResource(str(tmp_path / "resource"))
     proc = procs.start(_paused_holder, alias, str(ready), str(resource.path), str(outcome))
     # (the file exists a moment before its text is written)
-    wait_until(lambda: ready.exists() and ready.read_text().strip() != "", timeout=60)
+    wait_until(ready.exists, timeout=60)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         stale_fence = int(ready.read_text())

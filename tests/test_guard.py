@@ -275,16 +275,15 @@ def test_session_and_quorum_locks_refuse_a_guard_and_point_to_fencing(kind):
 # -- a holder paused past its lease (real processes, SIGSTOP) ----------------------------
 
 
-def _paused_lock(alias: str, permits: int | None, **options: Any) -> dlock.Lock:
-    """The lock of the paused-holder tests, or a semaphore's permit (``permits``)."""
-    if permits is None:
-        return dlock.lock("guard:paused", using=alias, **options)
-    return dlock.semaphore("guard:paused", permits=permits, using=alias, **options)
+def _paused_lock(alias: str, kind: str, **options: Any) -> dlock.Lock:
+    """The lock of the paused-holder tests: a lock, a semaphore's permit, or a
+    read lock (``kind``)."""
+    if kind == "permit":
+        return dlock.semaphore("guard:paused", permits=1, using=alias, **options)
+    return dlock.lock("guard:paused", using=alias, shared=kind == "reader", **options)
 
 
-def _paused_holder(
-    alias: str, folder: str, ttl: float, outer: bool, permits: int | None = None
-) -> None:
+def _paused_holder(alias: str, folder: str, ttl: float, outer: bool, kind: str = "lock") -> None:
     """Hold the lock, write under a guard, and wait there (paused) for ``go``.
 
     ``outer``: the guard is inside an outer transaction, and the wait comes
@@ -293,7 +292,7 @@ def _paused_holder(
     from django_dlock.exceptions import LockLost
 
     base = Path(folder)
-    lk = _paused_lock(alias, permits, ttl=ttl)
+    lk = _paused_lock(alias, kind, ttl=ttl)
     assert lk.acquire(timeout=10)
 
     def wait_for_go() -> None:
@@ -323,10 +322,10 @@ def _paused_holder(
 
 @contextlib.contextmanager
 def _paused(
-    alias: str, tmp_path: Path, ttl: float, outer: bool = False, permits: int | None = None
+    alias: str, tmp_path: Path, ttl: float, outer: bool = False, kind: str = "lock"
 ) -> Iterator[Path]:
     """A holder process inside its guard (or after it, ``outer``), SIGSTOPped."""
-    proc = procs.start(_paused_holder, alias, str(tmp_path), ttl, outer, permits)
+    proc = procs.start(_paused_holder, alias, str(tmp_path), ttl, outer, kind)
     wait_until(lambda: (tmp_path / "ready").exists(), timeout=60)
     assert proc.pid is not None
     os.kill(proc.pid, signal.SIGSTOP)
@@ -339,23 +338,24 @@ def _paused(
         assert proc.exitcode == 0
 
 
-def _next_holder_writes(alias: str, permits: int | None = None) -> None:
-    lk = _paused_lock(alias, permits, ttl=30, timeout=45)
+def _next_holder_writes(alias: str, kind: str = "lock") -> None:
+    # after a paused reader, a writer: it is kept out while any reader holds
+    lk = _paused_lock(alias, "permit" if kind == "permit" else "lock", ttl=30, timeout=45)
     with lk, lk.guard():
         _write(alias, "B")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("permits", [None, 1], ids=["lock", "semaphore-permit"])
-def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, tmp_path, permits):
+@pytest.mark.parametrize("kind", ["lock", "permit", "reader"])
+def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, tmp_path, kind):
     ttl = 2.0
-    with _paused(alias, tmp_path, ttl, permits=permits) as folder:
+    with _paused(alias, tmp_path, ttl, kind=kind) as folder:
         if alias != "sqlite":
             # While it is frozen: its lease runs out, the next holder takes the
             # lock (the permit), and its guarded write goes through once the
             # server has ended the frozen holder's silent session (the bound:
             # the lease).
-            in_thread(_next_holder_writes, alias, permits)  # bounded: fails if it waits
+            in_thread(_next_holder_writes, alias, kind)  # bounded: fails if it waits
             assert _read(alias) == "B"
         else:
             # SQLite: the frozen holder keeps every writer out until it
@@ -363,7 +363,7 @@ def test_a_holder_paused_past_its_lease_inside_its_guard_commits_nothing(alias, 
             time.sleep(ttl + 0.5)
     assert (folder / "outcome").read_text() == "LockLost"  # it committed nothing
     if alias == "sqlite":
-        with _paused_lock(alias, permits, timeout=10) as lk, lk.guard():
+        with _paused_lock(alias, kind, timeout=10) as lk, lk.guard():
             _write(alias, "B")
     assert _read(alias) == "B"
 

@@ -10,12 +10,17 @@ for receivers connected at any time.
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
+from typing import Any
+
 import pytest
 from django.db import transaction
 from django.test.utils import override_settings
 
 import django_dlock as dlock
 from django_dlock import locks, signals
+from django_dlock.conf import conf
 from django_dlock.exceptions import InvalidLockKey
 from django_dlock.keys import make_key
 from django_dlock.strategies.advisory import sessions
@@ -73,6 +78,41 @@ def test_advisory_fencing_follows_override_settings():
             assert isinstance(lk.fence, int)
     with dlock.lock("hot:fence", strategy="advisory", timeout=0) as lk:
         assert lk.fence is None
+
+
+def test_a_setting_the_lock_has_read_follows_override_settings():
+    with dlock.lock("hot:setting", timeout=0):
+        assert conf.LEASE_SYNCHRONOUS_COMMIT is True  # read, and kept
+    with override_settings(DLOCK_LEASE_SYNCHRONOUS_COMMIT=False):
+        assert conf.LEASE_SYNCHRONOUS_COMMIT is False
+        with dlock.lock("hot:setting", timeout=0) as lk:
+            assert lk.held()
+    assert conf.LEASE_SYNCHRONOUS_COMMIT is True
+
+
+@pytest.mark.parametrize("strategy", ["lease", "advisory"])
+def test_an_uncontended_pair_raises_nothing_in_its_own_code_or_settings(strategy):
+    """A raised and caught exception costs about as much client time as a
+    dozen calls (a setting the project does not have, read through Django's
+    settings, raises AttributeError at every read)."""
+    with dlock.lock("hot:quiet", strategy=strategy, timeout=0):
+        pass  # (first use: connections, prepared statements, settings read)
+    raised: list[str] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "exception" and arg[0] is not StopIteration:  # (a coroutine's end, traced)
+            where = frame.f_code.co_filename
+            if "django_dlock" in where or "django/conf" in where:
+                raised.append(f"{arg[0].__name__} in {frame.f_code.co_name} ({where})")
+        return trace
+
+    sys.settrace(trace)
+    try:
+        with dlock.lock("hot:quiet", strategy=strategy, ttl=60, timeout=0):
+            pass
+    finally:
+        sys.settrace(None)
+    assert raised == []
 
 
 def test_signals_reach_a_receiver_connected_after_locks_were_used():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 
@@ -279,3 +280,67 @@ def test_lease_statements_are_prepared_on_postgresql_but_not_behind_pgbouncer():
     finally:
         connection.settings_dict["DISABLE_SERVER_SIDE_CURSORS"] = before
         connection.close()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_lease_statements_dropped_from_the_session_are_prepared_again():
+    # the application may DEALLOCATE ALL or DISCARD ALL on Django's connection
+    connection = connections["default"]
+    with dlock.lock("prepared-again") as lk:
+        assert lk.fence is not None
+    for reset in ("DEALLOCATE ALL", "DISCARD ALL"):
+        with connection.cursor() as cur:
+            cur.execute(reset)
+        assert _prepared_lock_statements() == 0
+        with dlock.lock("prepared-again") as lk:
+            assert lk.owned()
+        assert not dlock.lock("prepared-again").locked()
+        assert _prepared_lock_statements() >= 2
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+@pytest.mark.parametrize("begun", [False, True])
+def test_a_lock_statement_in_the_callers_transaction_is_part_of_it(begun):
+    # Django has opened the transaction (autocommit off); the server has
+    # begun it only after a first statement. Either way a lock statement on
+    # that connection (advisory_xact and row run theirs there) is part of it,
+    # and a rollback undoes it.
+    from django.db import transaction
+
+    from django_dlock.strategies.connection import execute
+
+    connection = connections["default"]
+    insert = (
+        "INSERT INTO django_dlock_waiter (name, token, owner, enqueued_at, expire_at) "
+        "VALUES (%s, '', '', now(), now())"
+    )
+    with dlock.lock("in-transaction"):  # (what the connection is, asked once: a query)
+        pass
+    with transaction.atomic():
+        if begun:
+            with connection.cursor() as cur:
+                cur.execute("SELECT 1")
+        execute(connection, insert, ["lock:in-transaction"])
+        transaction.set_rollback(True)
+    with connection.cursor() as cur:
+        cur.execute("SELECT count(*) FROM django_dlock_waiter WHERE name = 'lock:in-transaction'")
+        assert cur.fetchone()[0] == 0
+
+
+@pytest.mark.django_db(transaction=True, databases=["default"])
+def test_lock_statements_in_a_transaction_survive_a_savepoint_rolled_back():
+    # psycopg deallocates the session's prepared statements when it sees a
+    # rollback (also to a savepoint): a lock statement later in the same
+    # transaction must not find its statement gone, which would abort it
+    from django.db import transaction
+
+    with transaction.atomic():
+        for attempt in range(3):
+            with dlock.lock(f"savepoint-{attempt}", strategy="advisory_xact") as lk:
+                assert lk.owned()
+            with contextlib.suppress(ValueError), transaction.atomic():
+                with connections["default"].cursor() as cur:
+                    cur.execute("SELECT 1")
+                raise ValueError("rolled back to the savepoint")
+        with dlock.lock("savepoint-row", strategy="row") as lk:
+            assert lk.owned()

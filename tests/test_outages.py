@@ -81,6 +81,7 @@ def test_the_first_lock_statement_of_a_process_during_an_outage(server):
     # Whether a pooler is in between is asked once per process and database,
     # by the first lock statement.
     _pooler_seen.clear()
+    connections[ALIAS].__dict__.pop("_dlock_behind_pooler", None)  # (this thread's answer)
     server.stop()
     with pytest.raises(dlock.DatabaseUnavailable) as caught:
         dlock.lock("outage-first", using=ALIAS).acquire(timeout=0)

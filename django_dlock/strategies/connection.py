@@ -51,6 +51,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
+from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
@@ -127,8 +128,9 @@ class statement_deadline:  # noqa: N801 (used like a function: ``with statement_
         self.token: Any = None
 
     def __enter__(self) -> None:
+        # (the connection a statement runs on is guarded where it is picked:
+        # lock_connection, a transactional strategy's caller's connection)
         if self.end is not None:
-            guard_statements(connections[self.alias])
             self.token = _deadline.set(self.end)
 
     def __exit__(self, *exc: object) -> None:
@@ -192,21 +194,23 @@ class _Watch:
     cancel: bool = True
     done: bool = False
     fired: bool = False
-    finished: threading.Event = field(default_factory=threading.Event)
+    #: set once a fired watch has shut the socket (made when it fires: most never do)
+    finished: threading.Event | None = None
 
 
 class _Watchdog:
     """One daemon thread that fires the watches whose time has come."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
+        self.mutex = threading.Lock()
+        self.cond = threading.Condition(self.mutex)
         self.heap: list[tuple[float, int, _Watch]] = []
         self.seq = itertools.count()
         self.thread: threading.Thread | None = None
         self.pid = 0
 
     def add(self, watch: _Watch) -> None:
-        with self.cond:
+        with self.mutex:  # (the condition's lock)
             if self.thread is None or self.pid != os.getpid():  # none yet, or forked
                 self.heap.clear()
                 self.pid = os.getpid()
@@ -238,6 +242,7 @@ def _fire(watch: _Watch) -> None:
         if watch.done:
             return
         watch.fired = True
+        finished = watch.finished = threading.Event()
     try:
         # Stops the statement if it runs on a server (PgBouncer forwards the
         # cancel); a client still in PgBouncer's queue is not cancelled...
@@ -256,7 +261,7 @@ def _fire(watch: _Watch) -> None:
             finally:
                 sock.close()
     finally:
-        watch.finished.set()
+        finished.set()
 
 
 def _watch_statement(
@@ -316,6 +321,7 @@ def watched_raw(raw: Any, run: Callable[[], T], grace: float = 0.0, cancel: bool
         if not fired:
             watch.raw = None  # (the watch may stay queued until its time: hold nothing)
     if fired:
+        assert watch.finished is not None  # (made before fired was set)
         watch.finished.wait()
         raise Abandoned(
             "a lock statement got no answer by the lock's deadline (a connection "
@@ -351,6 +357,9 @@ def behind_pooler(connection: BaseDatabaseWrapper) -> bool:
     the server's ``pg_backend_pid()``; a direct connection reports the same
     pid. Found out once per process and database (one query), then cached.
     """
+    found: bool | None = connection.__dict__.get("_dlock_behind_pooler")
+    if found is not None:  # (kept on the wrapper: asked for every lock statement)
+        return found
     if connection.vendor != "postgresql":
         return False
     key = _pooler_key(connection)
@@ -371,15 +380,28 @@ def behind_pooler(connection: BaseDatabaseWrapper) -> bool:
         if not found:  # a direct connection: its statements need no watch
             with contextlib.suppress(ValueError):
                 connection.execute_wrappers.remove(_watch_statement)
+    connection.__dict__["_dlock_behind_pooler"] = found
     return found
 
 
 def _pooler_key(connection: BaseDatabaseWrapper) -> tuple[Any, ...]:
-    settings = connection.settings_dict
-    return tuple(settings.get(name) for name in ("HOST", "PORT", "NAME", "USER"))
+    # (asked for every lock statement: kept on the wrapper, whose settings are its own)
+    key: tuple[Any, ...] | None = connection.__dict__.get("_dlock_pooler_key")
+    if key is None:
+        get = connection.settings_dict.get
+        key = connection.__dict__["_dlock_pooler_key"] = (
+            get("HOST"),
+            get("PORT"),
+            get("NAME"),
+            get("USER"),
+        )
+    return key
 
 
 _private = threading.local()
+
+#: a statement's parameters: positional (``%s``) or named (``%(name)s``)
+Params = list[Any] | dict[str, Any]
 
 
 def lock_connection(alias: str) -> BaseDatabaseWrapper:
@@ -407,7 +429,10 @@ def lock_connection(alias: str) -> BaseDatabaseWrapper:
       like on the other databases (:func:`_sqlite_caller_writes`).
     """
     connection = connections[alias]
-    if deadline_end() is not None:  # (a worker thread's connection of an async acquire)
+    if (
+        _deadline.get() is not None  # (a worker thread's connection of an async acquire)
+        and connection.__dict__.get("_dlock_behind_pooler") is not False  # (direct: no watch)
+    ):
         guard_statements(connection)
     if not connection.in_atomic_block:
         if connection.connection is not None or not uses_django_pool(connection):
@@ -589,9 +614,12 @@ def _failed(connection: BaseDatabaseWrapper, exc: DatabaseError) -> NoReturn:
     raise exc
 
 
-#: what each database says of a table or sequence that is not there
+#: what each database says of a table or sequence that is not there, and
+#: (PostgreSQL) of a column or function that a later migration adds
 _MISSING = re.compile(
     r"(relation \"django_dlock_\w+\" does not exist"  # PostgreSQL (42P01)
+    r"|column (l\.)?\"?queued\"? (of relation \"django_dlock_lock\" )?does not exist"  # 0007
+    r"|function django_dlock_\w+\(.*\) does not exist"  # 0004, 0007
     r"|no such table: django_dlock_"  # SQLite
     r"|table '[^']*django_dlock_\w+' doesn't exist)",  # MySQL/MariaDB (1146)
     re.IGNORECASE,
@@ -599,7 +627,8 @@ _MISSING = re.compile(
 
 
 def tables_missing(exc: BaseException) -> bool:
-    """Whether ``exc`` says that a django-dlock table (or sequence) does not exist."""
+    """Whether ``exc`` says that a django-dlock table (or sequence) does not
+    exist, or (PostgreSQL) a column or function of a later migration."""
     return _MISSING.search(str(exc)) is not None
 
 
@@ -607,7 +636,7 @@ def not_migrated(alias: str) -> NotMigrated:
     """The error for django-dlock's tables missing on ``alias``."""
     option = "" if alias == "default" else f" --database {alias}"
     return NotMigrated(
-        f"django-dlock's tables are missing on database {alias!r}: run "
+        f"django-dlock's tables are missing or behind this version on database {alias!r}: run "
         f"`python manage.py migrate django_dlock{option}`"
     )
 
@@ -645,7 +674,11 @@ def _usable(connection: BaseDatabaseWrapper) -> bool:
         return False
 
 
-def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[T, bool]:
+def with_reconnect(
+    alias: str,
+    op: Callable[[BaseDatabaseWrapper], T],
+    connection: BaseDatabaseWrapper | None = None,
+) -> tuple[T, bool]:
     """Run ``op(connection)``; if the connection had dropped, once more on a new one.
 
     A holder's connection can be closed under it (``pg_terminate_backend``,
@@ -654,12 +687,15 @@ def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[
     (lock timeouts, constraint errors) and errors inside the caller's
     transaction are not retried. Returns ``(result, retried)``: a retried
     statement may have run twice, which callers must tolerate.
+    ``connection``: :func:`lock_connection` of ``alias``, when the caller
+    already has it.
 
     Raises:
         DatabaseUnavailable: the database could not be reached, also on a
             new connection (the driver's error is its ``__cause__``).
     """
-    connection = lock_connection(alias)
+    if connection is None:
+        connection = lock_connection(alias)
     try:
         return op(connection), False
     except DatabaseUnavailable:
@@ -668,7 +704,19 @@ def with_reconnect(alias: str, op: Callable[[BaseDatabaseWrapper], T]) -> tuple[
     return op(lock_connection(alias)), True
 
 
-_psycopg3: bool | None = None
+try:
+    import psycopg
+    from psycopg import pq
+    from psycopg.adapt import PyFormat, Transformer
+except ImportError:  # Django runs PostgreSQL on psycopg2 (or there is none)
+    _PSYCOPG3 = False
+else:
+    _PSYCOPG3 = True
+    _AUTO = PyFormat.AUTO
+    _TUPLES_OK = pq.ExecStatus.TUPLES_OK
+    _COMMAND_OK = pq.ExecStatus.COMMAND_OK
+    _IDLE = pq.TransactionStatus.IDLE
+    _SQLSTATE = pq.DiagnosticField.SQLSTATE
 
 
 def psycopg3() -> bool:
@@ -679,19 +727,11 @@ def psycopg3() -> bool:
     instead of being woken by ``NOTIFY``, and ``advisory`` (sessions of its
     own, opened with psycopg 3) is refused.
     """
-    global _psycopg3
-    if _psycopg3 is None:
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            _psycopg3 = False
-        else:
-            _psycopg3 = True
-    return _psycopg3
+    return _PSYCOPG3
 
 
 def execute(
-    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool = False
+    connection: BaseDatabaseWrapper, sql: str, params: Params, takes_lock: bool = False
 ) -> tuple[Any, int]:
     """Run one statement; return ``(its first row or None, its row count)``.
 
@@ -714,7 +754,7 @@ def execute(
     never be taken for a caller that already gave up.
     """
     if may_prepare(connection):
-        if deadline_end() is None:
+        if _deadline.get() is None:
             return _execute_prepared(connection, sql, params)
         # an acquire with a timeout: a server that stopped answering must not
         # keep the caller past it
@@ -759,10 +799,14 @@ def may_prepare(connection: BaseDatabaseWrapper) -> bool:
     connection (no ``DISABLE_SERVER_SIDE_CURSORS``, no pooler in front)."""
     return (
         connection.vendor == "postgresql"
-        and psycopg3()
-        and not connection.queries_logged
+        and _PSYCOPG3
+        # (queries_logged, inline: asked for every lock statement)
+        and not (connection.force_debug_cursor or settings.DEBUG)
         and not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS")
-        and not _behind_pooler(connection)
+        and (
+            connection.__dict__.get("_dlock_behind_pooler") is False
+            or not _behind_pooler(connection)
+        )
     )
 
 
@@ -775,7 +819,7 @@ def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:
 
 
 def _sqlite_within_deadline(
-    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool
+    connection: BaseDatabaseWrapper, sql: str, params: Params, takes_lock: bool
 ) -> tuple[Any, int]:
     """A statement of an acquire on SQLite: another writer is contention, not an outage.
 
@@ -822,7 +866,7 @@ def _sqlite_within_deadline(
 
 
 def _in_own_transaction(
-    connection: BaseDatabaseWrapper, cur: CursorWrapper, sql: str, params: list[Any]
+    connection: BaseDatabaseWrapper, cur: CursorWrapper, sql: str, params: Params
 ) -> tuple[Any, int]:
     """``sql`` between BEGIN and a COMMIT that is never given up half-way."""
     cur.execute("BEGIN")  # (this is the statement that waits for a server)
@@ -842,38 +886,161 @@ def _in_own_transaction(
 #: a preparation threshold no query reaches by repetition alone
 _NEVER_AUTOMATICALLY = 2**31
 
+#: a query's placeholders: ``%s``, ``%(name)s``, and ``%%`` (a literal ``%``)
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%s|%%")
 
-def _execute_prepared(
-    connection: BaseDatabaseWrapper, sql: str, params: list[Any]
-) -> tuple[Any, int]:
-    import psycopg
 
+@dataclass
+class _Numbered:
+    """A query in libpq's form: ``$1``, ``$2``... for its placeholders, and
+    the parameter names in that order (``None``: positional ``%s``)."""
+
+    sql: bytes
+    names: list[str] | None
+
+
+#: query text -> its libpq form (a lock statement's text is one of a few)
+_NUMBERED: dict[str, _Numbered] = {}
+
+
+def numbered(query: str) -> _Numbered:
+    """``query`` in libpq's form (cached per query text)."""
+    found = _NUMBERED.get(query)
+    if found is None:
+        names: list[str] = []
+        positional = 0
+
+        def number(match: re.Match[str]) -> str:
+            nonlocal positional
+            if match.group(0) == "%%":
+                return "%"
+            if match.group(1) is None:
+                positional += 1
+                return f"${positional}"
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        sql = _PLACEHOLDER.sub(number, query)
+        if positional and names:
+            raise ValueError("a query mixes %s and %(name)s placeholders")
+        found = _NUMBERED[query] = _Numbered(sql.encode(), names if names else None)
+    return found
+
+
+class _Session:
+    """What our lock statements keep on one psycopg connection: an adapter
+    for their parameters and rows, and the statements prepared on its server
+    session (by query text and parameter types), named ``dlock_<n>``."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.adapt = Transformer(raw)
+        self.prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def _execute_prepared(connection: BaseDatabaseWrapper, sql: str, params: Params) -> tuple[Any, int]:
+    """Run ``sql`` as a statement prepared on the server session, sent
+    through libpq itself (psycopg's ``pgconn``): the parameters and the row
+    are adapted by psycopg as its cursor would, without the cursor's own
+    work, which costs as much client time as the statement's round trip.
+    A connection in the caller's transaction (autocommit off: psycopg begins
+    it, and keeps its own prepared statements in step with its rollbacks),
+    or in pipeline mode, goes through a psycopg cursor instead."""
     try:
         if connection.connection is None:
             connection.ensure_connection()
         raw = connection.connection
-        # Django turns psycopg's automatic preparation off (threshold None),
-        # which also disables prepare=True. Lift it for our statement only:
-        # the connection's other queries stay unprepared.
-        saved = raw.prepare_threshold
-        if saved is None:
-            raw.prepare_threshold = _NEVER_AUTOMATICALLY
+        pgconn = raw.pgconn
+        if not raw.autocommit or pgconn.pipeline_status:
+            return _execute_with_cursor(connection, raw, sql, params)
+        # kept on Django's wrapper (one per thread), for the driver connection it has now
+        session: _Session | None = connection.__dict__.get("_dlock_session")
+        if session is None or session.raw is not raw:
+            session = connection.__dict__["_dlock_session"] = _Session(raw)
+        if isinstance(params, dict):
+            values = [params[name] for name in numbered(sql).names or ()]
+        else:
+            values = params
         try:
-            with connection.wrap_database_errors, psycopg.Cursor(raw) as cur:
-                cur.execute(sql, params, prepare=True)
-                # (nfields, not .description: that builds column objects)
-                result = cur.pgresult
-                returns_rows = result is not None and result.nfields > 0
-                return (cur.fetchone() if returns_rows else None), cur.rowcount
-        finally:
-            if saved is None:
-                raw.prepare_threshold = None
+            with raw.lock:
+                adapt = session.adapt
+                dumped = adapt.dump_sequence(values, [_AUTO] * len(values))
+                types = tuple(adapt.types or ())
+                key = (sql, types)
+                name = session.prepared.get(key)
+                for _attempt in range(2):
+                    if name is None:
+                        name = b"dlock_%d" % len(session.prepared)
+                        made = pgconn.prepare(name, numbered(sql).sql, types)
+                        if made.status != _COMMAND_OK:
+                            raise _error(raw, made)
+                        session.prepared[key] = name
+                    result = pgconn.exec_prepared(name, dumped, adapt.formats)
+                    if (
+                        result.error_field(_SQLSTATE) != b"26000"
+                        or pgconn.transaction_status != _IDLE
+                    ):
+                        break
+                    # gone from the session (DEALLOCATE, DISCARD ALL): prepared again
+                    session.prepared.clear()
+                    name = None
+                status = result.status
+                if status == _TUPLES_OK:
+                    count = result.command_tuples
+                    if not result.ntuples:
+                        return None, 0 if count is None else count
+                    adapt.set_pgresult(result)
+                    row = adapt.load_row(0, tuple)
+                    return row, result.ntuples if count is None else count
+                if status == _COMMAND_OK:
+                    return None, result.command_tuples or 0
+                raise _error(raw, result)
+        except psycopg.Error:
+            # (Django's error classes, as its cursor raises them)
+            with connection.wrap_database_errors:
+                raise
     except DatabaseError as exc:
         _failed(connection, exc)
 
 
+def _error(raw: Any, result: Any) -> Exception:
+    """The error of a failed result: an ``OperationalError`` when the
+    connection broke (as psycopg's cursor raises it), else the server's."""
+    if raw.pgconn.status != pq.ConnStatus.OK:
+        message = (result.error_message or b"the connection broke").decode(errors="replace")
+        return psycopg.OperationalError(message.strip())
+    return psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
+
+
+def _execute_with_cursor(
+    connection: BaseDatabaseWrapper, raw: Any, sql: str, params: Params
+) -> tuple[Any, int]:
+    """:func:`_execute_prepared` through a psycopg cursor (in the caller's
+    transaction, which it begins with the connection's options if due)."""
+    # Django turns psycopg's automatic preparation off (threshold None),
+    # which also disables prepare=True. Lift it for our statement only:
+    # the connection's other queries stay unprepared.
+    saved = raw.prepare_threshold
+    if saved is None:
+        raw.prepare_threshold = _NEVER_AUTOMATICALLY
+    cur = connection.__dict__.get("_dlock_cursor")
+    if cur is None or cur.connection is not raw:
+        cur = connection.__dict__["_dlock_cursor"] = psycopg.Cursor(raw)
+    try:
+        with connection.wrap_database_errors:
+            cur.execute(sql, params, prepare=True)
+            # (nfields, not .description: that builds column objects)
+            result = cur.pgresult
+            returns_rows = result is not None and result.nfields > 0
+            return (cur.fetchone() if returns_rows else None), cur.rowcount
+    finally:
+        if saved is None:
+            raw.prepare_threshold = None
+
+
 def fetch_one(
-    connection: BaseDatabaseWrapper, sql: str, params: list[Any], takes_lock: bool = False
+    connection: BaseDatabaseWrapper, sql: str, params: Params, takes_lock: bool = False
 ) -> Any:
     """The first row of ``sql`` (or ``None``), see :func:`execute`."""
     return execute(connection, sql, params, takes_lock)[0]

@@ -40,6 +40,7 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError, TransactionRequired
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
+from django_dlock.strategies.connection import deadline_end, guard_statements
 
 #: markers kept before ended ones are swept
 _SWEEP_AT = 1000
@@ -119,6 +120,8 @@ class TransactionScoped:
     def atomic_connection(self, req: Request) -> BaseDatabaseWrapper:
         """The caller's connection, which must be inside ``transaction.atomic``."""
         connection = connections[req.alias]
+        if deadline_end() is not None:  # an acquire with a timeout: its statements are watched
+            guard_statements(connection)
         if not connection.in_atomic_block:
             raise TransactionRequired(
                 f"the {self.name!r} strategy holds {req.key.name!r} until the end of the "

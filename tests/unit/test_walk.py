@@ -4,7 +4,6 @@ kept in memory: no database, so these run in a second."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -105,6 +104,7 @@ def _options(strategy: MemoryStrategy, *names: str) -> Options:
         renew=False,
         reentrant=True,
         shared=False,
+        upgradeable=False,
         hold_at_least=0.0,
         retry_interval=0.1,
         on_lost=None,
@@ -169,7 +169,7 @@ def test_the_async_walk_is_the_same_walk(memory):
 
 def test_a_holder_that_may_not_re_enter_is_refused_and_keeps_one_level(memory):
     first, _ = _walk(memory, "a")
-    opts = dataclasses.replace(_options(memory, "a"), reentrant=False)
+    opts = _options(memory, "a")._replace(reentrant=False)
     with pytest.raises(LockReentrantError):
         Attempt(opts, current_holder(), Deadline(0)).run(opts.keys)
     holding = current_holder().holdings[("default", "memory", "lock:a")]

@@ -50,7 +50,9 @@ def on_session(
     """``acquire_on(session)`` on the holder's dedicated session.
 
     A pooled session that had died in the pool holds nothing: the attempt
-    runs once more on a new one. A session that cannot be opened is a
+    runs once more on a new one, and the pool's other idle sessions, which
+    whatever ended it (a restart, an administrator) has likely ended too,
+    are closed first. A session that cannot be opened is a
     :class:`DatabaseUnavailable` naming the database (the driver's error
     chained), as is a session that ended again on the second try.
     """
@@ -68,6 +70,7 @@ def on_session(
         except SessionLost:
             if attempt == 2:
                 raise
+            session.pool.close_idle()
         finally:
             session.pool.unpin(session)
     raise AssertionError("unreachable")
