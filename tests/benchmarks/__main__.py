@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import semaphores
 
         print("semaphores ...", file=sys.stderr)
-        sections["10. Semaphores (a permit against a lock)"] = [
+        sections["10. Semaphores and read locks (against a lock)"] = [
             *semaphores.INTRO,
             "",
             *semaphores.run_apart(args.rounds, args.seconds),
@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report.markdown(sections, report.meta())
     print(text)
     if not args.no_write and only == set(ALL):
-        (ROOT / "docs" / "benchmarks.md").write_text(text)
+        page = ROOT / "docs" / "benchmarks.md"
+        kept = report.kept_sections(page.read_text(), text) if page.exists() else ""
+        page.write_text(text.rstrip("\n") + "\n\n" + kept if kept else text)
         report.chart(unc, hand, ROOT / "docs" / "img" / "benchmarks.png")
         report.scaling_chart(points, ROOT / "docs" / "img" / "scaling.png")
         print("wrote docs/benchmarks.md and docs/img/benchmarks.png", file=sys.stderr)

@@ -1,10 +1,12 @@
-"""``python -m tests.benchmarks.semaphores``: a semaphore's acquire + release against a lock's.
+"""``python -m tests.benchmarks.semaphores``: a semaphore's and a read lock's
+acquire + release against a lock's.
 
-``with dlock.semaphore(key, permits=3): pass`` against ``with dlock.lock(key):
-pass``, a new object per call as users write them, uncontended, on
-PostgreSQL, SQLite and MariaDB. The two run in turn, round after round, in
-one process; the table gives the median rate of each and the median of the
-per-round time ratios (semaphore / lock), so drift between rounds cancels out.
+``with dlock.semaphore(key, permits=3): pass`` and ``with dlock.lock(key,
+shared=True): pass`` against ``with dlock.lock(key): pass``, a new object per
+call as users write them, uncontended, on PostgreSQL, SQLite and MariaDB.
+The three run in turn, round after round, in one process; the table gives
+the median rate of each and the median of the per-round time ratios (… /
+lock), so drift between rounds cancels out.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def contenders(alias: str) -> dict[str, Callable[[], None]]:
         with dlock.semaphore("bench:semaphore", permits=PERMITS, using=alias):
             pass
 
-    return {"lock": lock, "semaphore": semaphore}
+    def read_lock() -> None:
+        with dlock.lock("bench:semaphore", shared=True, using=alias):
+            pass
+
+    return {"lock": lock, "semaphore": semaphore, "read lock": read_lock}
 
 
 #: what the benchmark page says above the table
@@ -41,6 +47,10 @@ INTRO = [
     "([semaphores](semaphores.md)). A permit is a lease row like a lock's; its",
     "statement also picks the first free one of the semaphore's rows and counts",
     "the waiters ahead (on MySQL/MariaDB: one transaction that locks the rows).",
+    "A read lock (`shared=True`, [read-write locks](semaphores.md#read-write-locks))",
+    "writes the key's row and the reader's (on PostgreSQL in one statement); its",
+    "release deletes the reader's row and shortens or frees the key's (on",
+    "PostgreSQL a transaction of two statements).",
 ]
 
 
@@ -61,13 +71,22 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_django()
     ensure_databases()
-    print("| database | lock, pairs/s | semaphore, pairs/s | semaphore / lock, time |")
-    print("| --- | ---: | ---: | ---: |")
+    print(
+        "| database | lock, pairs/s | semaphore, pairs/s | read lock, pairs/s "
+        "| semaphore / lock, time | read lock / lock, time |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for alias, label in LABELS.items():
         series = interleaved(contenders(alias), args.rounds, args.seconds)
-        lock, semaphore = series["lock"], series["semaphore"]
-        ratio = statistics.median(a / b for a, b in zip(lock.rates, semaphore.rates, strict=True))
-        print(f"| {label} | {lock.rate:,.0f} | {semaphore.rate:,.0f} | {ratio:.2f}x |")
+        lock, semaphore, read = series["lock"], series["semaphore"], series["read lock"]
+
+        def ratio(other: list[float], base: list[float] = lock.rates) -> float:
+            return statistics.median(a / b for a, b in zip(base, other, strict=True))
+
+        print(
+            f"| {label} | {lock.rate:,.0f} | {semaphore.rate:,.0f} | {read.rate:,.0f} "
+            f"| {ratio(semaphore.rates):.2f}x | {ratio(read.rates):.2f}x |"
+        )
     return 0
 
 

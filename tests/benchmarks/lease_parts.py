@@ -1,0 +1,99 @@
+"""``python -m tests.benchmarks.lease_parts``: where an uncontended lease pair's time goes.
+
+One psycopg connection, statements prepared, interleaved round by round
+against the raw floor (:data:`tests.benchmarks.uncontended.FLOOR_LEASE_ACQUIRE`
+and its DELETE): our own acquire and release statements run raw (the
+server's share of our pair, with the least client work), the same without
+their queue parts (the "no live ticket ahead" checks and the wake-up of the
+queue's head), that again with the floor's DELETE as the release (a row
+kept and updated, or deleted and inserted again), and ours the way users
+write it (``with dlock.lock(key)``, a new lock per call). Each row's ratio
+is the median of the per-round ratios to the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+from .common import ensure_databases, interleaved, raw_connection, setup_django
+
+#: the acquire without its queue parts (the same upsert, fence from the sequence)
+NO_QUEUE_ACQUIRE = """
+INSERT INTO django_dlock_lock AS l (name, token, owner, fence, acquired_at, expire_at)
+SELECT %s, %s, %s, nextval('django_dlock_fence'), statement_timestamp(),
+       statement_timestamp() + %s * interval '1 second'
+ON CONFLICT (name) DO UPDATE SET token = EXCLUDED.token, owner = EXCLUDED.owner,
+    fence = GREATEST(EXCLUDED.fence, l.fence + 1), acquired_at = EXCLUDED.acquired_at,
+    expire_at = EXCLUDED.expire_at
+WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
+   OR l.expire_at <= statement_timestamp()
+RETURNING fence
+"""
+#: the release without the wake-up of the queue's head
+NO_QUEUE_RELEASE = (
+    "UPDATE django_dlock_lock SET token = '', expire_at = statement_timestamp() "
+    "WHERE name = %s AND token = %s AND expire_at > statement_timestamp() RETURNING name"
+)
+DELETE_RELEASE = "DELETE FROM django_dlock_lock WHERE name = %s AND token = %s"
+
+
+def contenders() -> dict[str, Callable[[], None]]:
+    from django_dlock.strategies import queue
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL, PG_RELEASE_SQL
+
+    from . import uncontended
+
+    conn = raw_connection()
+    acquire, release = PG_ACQUIRE_SQL[True], PG_RELEASE_SQL[True]
+    newcomer = queue.NEWCOMER
+
+    def ours_raw() -> None:
+        name, token = "lock:bench-parts-raw", "parts-raw"
+        params = [name, token, "", 60.0, newcomer, newcomer]
+        if conn.execute(acquire, params, prepare=True).fetchone() is None:
+            raise RuntimeError("uncontended acquire failed")
+        conn.execute(release, [name, token, name, name], prepare=True).fetchone()
+
+    def no_queue() -> None:
+        name, token = "lock:bench-parts-noqueue", "parts-noqueue"
+        if conn.execute(NO_QUEUE_ACQUIRE, [name, token, "", 60.0], prepare=True).fetchone() is None:
+            raise RuntimeError("uncontended acquire failed")
+        conn.execute(NO_QUEUE_RELEASE, [name, token], prepare=True).fetchone()
+
+    def no_queue_delete() -> None:
+        name, token = "lock:bench-parts-delete", "parts-delete"
+        if conn.execute(NO_QUEUE_ACQUIRE, [name, token, "", 60.0], prepare=True).fetchone() is None:
+            raise RuntimeError("uncontended acquire failed")
+        conn.execute(DELETE_RELEASE, [name, token], prepare=True)
+
+    floor = uncontended.floor_pairs(conn, 4545, "lock:bench-parts-floor")["lease"]
+    return {
+        "floor: lease upsert + DELETE": floor,
+        "our statements, raw": ours_raw,
+        "our statements without the queue parts": no_queue,
+        "the same, the release a DELETE": no_queue_delete,
+        "ours: with dlock.lock(key)": uncontended.user_pair("lease", "bench-parts-api"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.lease_parts")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--seconds", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    setup_django()
+    ensure_databases()
+    series = interleaved(contenders(), args.rounds, args.seconds)
+    floor = next(iter(series.values()))
+    print("| pair | pairs/s | vs the floor |")
+    print("| --- | ---: | ---: |")
+    for label, found in series.items():
+        ratio = statistics.median(b / a for a, b in zip(floor.rates, found.rates, strict=True))
+        print(f"| {label} | {found.rate:,.0f} | {ratio:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
