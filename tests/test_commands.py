@@ -143,6 +143,28 @@ def test_cleanup_never_deletes_a_held_lock_and_older_than(alias):
         held.release()
 
 
+def test_cleanup_walks_past_held_rows_between_free_ones(alias):
+    """Free and held rows interleaved, batches smaller than either run of them:
+    every free row goes, every held one stays (a run walks the rows by id)."""
+    now = timezone.now()
+    rows = [
+        LockRow(
+            name=f"lock:{'live' if (i // 4) % 2 else 'gone'}-{i}",
+            token=f"t{i}",
+            owner="host pid=1",
+            fence=i,
+            acquired_at=now - dt.timedelta(days=2),
+            expire_at=now + dt.timedelta(days=1 if (i // 4) % 2 else -1),
+        )
+        for i in range(40)
+    ]
+    LockRow.objects.using(alias).bulk_create(rows)
+    out = run("dlock_cleanup", "--batch-size", "3", "--using", alias)
+    assert "Deleted 20 " in out
+    assert live_names(alias) == {row.name for row in rows if row.name.startswith("lock:live-")}
+    assert count(alias) == 20
+
+
 def test_cleanup_progress_only_on_a_tty_by_default():
     bulk_rows("default", expired=30, live=0)
     out = run("dlock_cleanup", "--batch-size", "10")
