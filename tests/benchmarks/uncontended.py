@@ -184,15 +184,22 @@ def reused_pair(strategy: str, key: str) -> Callable[[], None]:
 def _ours() -> dict[str, Callable[[], Any]]:
     from django.conf import settings
 
+    from django_dlock.conf import _forget_checked
+
     fast_lease = user_pair("lease", "bench-lease-fast")
+    setting = "DLOCK_LEASE_SYNCHRONOUS_COMMIT"
 
     def fast() -> None:
-        # (a plain attribute: override_settings would cost more than a pair)
+        # A plain attribute (override_settings would cost more than a pair),
+        # and what its setting_changed signal does: django-dlock keeps the
+        # settings it read until that signal says one changed.
         settings.DLOCK_LEASE_SYNCHRONOUS_COMMIT = False
+        _forget_checked(setting)
         try:
             fast_lease()
         finally:
             settings.DLOCK_LEASE_SYNCHRONOUS_COMMIT = True
+            _forget_checked(setting)
 
     ours: dict[str, Callable[[], Any]] = {}
     for strategy in ("lease", "advisory", "advisory_xact", "row"):
