@@ -46,6 +46,18 @@ _NO_WAITERS = (
     f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = {TABLE}.name AND w.expire_at > {{now}})"
 )
 
+# PostgreSQL: a semaphore's permit row that a ticket flagged (``queued``)
+# stays too while its semaphore has live waiters: the flag tells a newcomer
+# to read the semaphore's queue. A permit row is named after its semaphore's
+# key with ``#`` and the permit's number; no other row's name starts with
+# ``semaphore``.
+_PG_NO_WAITERS = (
+    f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = CASE "
+    f"WHEN {TABLE}.queued AND {TABLE}.name LIKE 'semaphore%%' "
+    f"THEN regexp_replace({TABLE}.name, '#[0-9]+$', '') ELSE {TABLE}.name END "
+    "AND w.expire_at > statement_timestamp())"
+)
+
 # One batch: delete by ctid, re-checking expiry against the run's cutoff
 # (a time on the database clock, in the past: such a lease has ended). A row
 # that a ticket flagged while the batch waited for it is a new row version,
@@ -55,7 +67,7 @@ _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}
 WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {TABLE}
-        WHERE expire_at <= %s AND {_NO_WAITERS.format(now="statement_timestamp()")}{{only}}
+        WHERE expire_at <= %s AND {_PG_NO_WAITERS}{{only}}
         LIMIT %s))
   AND expire_at <= %s
 """

@@ -60,7 +60,7 @@ def _request(name: str, token: str, alias: str = "default") -> Request:
 def _ticket_uncommitted(ticketing: Any, holder: Request) -> int:
     """A waiter's ticket for ``holder``'s key, inserted in ``ticketing``'s
     open transaction (it holds the key's row until committed)."""
-    params = [holder.key.name, holder.key.name, "waiter", "test waiter", 30.0]
+    params = [[holder.key.name], holder.key.name, "waiter", "test waiter", 30.0]
     return int(ticketing.execute(queue._PG_ENQUEUE, params).fetchone()[0])
 
 
@@ -113,7 +113,7 @@ def test_a_ticket_waits_for_a_release_in_flight(pg):
     assert lease.try_acquire(holder) is not None
     releasing = _raw(pg)
     try:
-        params = [holder.key.name, holder.token, holder.key.name, holder.key.name]
+        params = [holder.key.name, holder.token, holder.key.name]
         found = releasing.execute(PG_RELEASE_SQL[True], params).fetchone()
         assert found is not None  # released, not yet committed
         thread, out = _in_background(lambda: queue.enqueue(waiter))
@@ -238,3 +238,85 @@ def test_a_cleanup_waiting_for_a_ticket_keeps_the_keys_row(pg):
     waiter = _request("flag-cleanup", "waiter")
     assert lease.try_acquire(waiter, ticket) is not None
     assert lease.release(waiter)
+
+
+# -- PostgreSQL: a semaphore's permit rows say whether anybody may wait ---------
+
+
+def _permit_request(name: str, token: str) -> Request:
+    key = make_key(name, "semaphore")
+    return Request(
+        key=key, alias="default", token=token, owner=f"test {token}", ttl=30, row=key.name
+    )
+
+
+def _flags(alias: str, name: str) -> dict[str, Any]:
+    with connections[alias].cursor() as cur:
+        cur.execute(
+            "SELECT name, queued FROM django_dlock_lock WHERE name LIKE %s", [f"semaphore:{name}#%"]
+        )
+        return {row[0].rpartition("#")[2]: bool(row[1]) for row in cur.fetchall()}
+
+
+def test_a_semaphores_ticket_flags_every_permit_row_until_the_queue_is_empty(pg):
+    from django_dlock.strategies.lease.permits import permit_strategy
+
+    sem = permit_strategy(2)
+    holders = [_permit_request("flag-sem", f"holder{i}") for i in range(2)]
+    assert all(sem.try_acquire(holder) is not None for holder in holders)
+    assert _flags(pg, "flag-sem") == {"0": False, "1": False}
+    first, second = _permit_request("flag-sem", "first"), _permit_request("flag-sem", "second")
+    tickets = [sem.enqueue(first), sem.enqueue(second)]
+    assert _flags(pg, "flag-sem") == {"0": True, "1": True}
+    # two permits free, two tickets ahead: a newcomer waits its turn
+    assert sem.release(holders[0]) and sem.release(holders[1])
+    assert sem.try_acquire(_permit_request("flag-sem", "newcomer")) is None
+    assert sem.try_acquire(first, tickets[0]) is not None
+    assert _flags(pg, "flag-sem") == {"0": True, "1": True}  # the second still waits
+    assert sem.try_acquire(second, tickets[1]) is not None
+    assert first.row == "semaphore:flag-sem#0" and second.row == "semaphore:flag-sem#1"
+    assert _flags(pg, "flag-sem") == {"0": True, "1": False}  # the last grant cleared its row
+    assert sem.release(first)
+    newcomer = _permit_request("flag-sem", "newcomer")
+    assert sem.try_acquire(newcomer) is not None  # clears the flag the queue left on row 0
+    assert _flags(pg, "flag-sem") == {"0": False, "1": False}
+    assert sem.release(newcomer) and sem.release(second)
+
+
+def test_a_permits_release_wakes_the_queue_only_when_its_row_is_flagged(pg):
+    from django_dlock.strategies.lease.permits import permit_strategy
+
+    sem = permit_strategy(1)
+    listen = notify._connect_like(pg)()
+    listen.execute(f"LISTEN {queue.CHANNEL}")
+    try:
+        alone = _permit_request("wake-sem", "alone")
+        assert sem.try_acquire(alone) is not None and sem.release(alone)
+        holder = _permit_request("wake-sem", "holder")
+        assert sem.try_acquire(holder) is not None
+        waiter = _permit_request("wake-sem", "waiter")
+        ticket = sem.enqueue(waiter)
+        assert sem.release(holder)
+        heard = [m.payload for m in listen.notifies(timeout=10.0, stop_after=1)]
+        # the first release (nobody queued) sent nothing: the only wake-up is the waiter's
+        assert heard == [queue.wake_payload(ticket)]
+        assert sem.try_acquire(waiter, ticket) is not None and sem.release(waiter)
+    finally:
+        listen.close()
+
+
+def test_cleanup_keeps_a_semaphores_flagged_permit_rows_while_a_ticket_is_live(pg):
+    from django_dlock.cleanup import delete_free
+    from django_dlock.strategies.lease.permits import permit_strategy
+
+    sem = permit_strategy(1)
+    holder = _permit_request("clean-sem", "holder")
+    assert sem.try_acquire(holder) is not None and sem.release(holder)
+    waiter = _permit_request("clean-sem", "waiter")
+    ticket = sem.enqueue(waiter)
+    delete_free(using=pg)
+    assert _flags(pg, "clean-sem") == {"0": True}
+    assert sem.try_acquire(_permit_request("clean-sem", "newcomer")) is None
+    queue.leave(pg, ticket)
+    delete_free(using=pg)
+    assert _flags(pg, "clean-sem") == {}  # no ticket left: free rows go, flags and all

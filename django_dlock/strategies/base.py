@@ -61,6 +61,10 @@ class Request:
     #: lock; for a semaphore, the row of the permit it was granted (set by
     #: the strategy with the grant)
     row: str = field(kw_only=True)
+    #: the lease rows whose ``queued`` flag tells that somebody may wait in
+    #: the key's queue, when they are not the key's own row: a semaphore's
+    #: permits (set by the strategy before it takes a ticket)
+    queue_rows: tuple[str, ...] = field(default=(), kw_only=True)
 
 
 @runtime_checkable

@@ -45,8 +45,9 @@ ticket (live or run out) is left, asking ``django_dlock_queued`` (a fresh
 snapshot again, after the row is locked). A ticket never waits for a key
 whose row is unflagged: rows are deleted only by ``dlock_cleanup``, which
 keeps a row with a live ticket, and whose delete skips a row changed by a
-ticket meanwhile. A semaphore's permit rows carry no flag: their tickets
-lock them ``FOR SHARE``, and a permit's release always looks.
+ticket meanwhile. A semaphore's queue is flagged on each of its permit
+rows: a ticket flags them all, a permit's release wakes the head when its
+row is flagged, and a take reads the queue when any of them is.
 
 If the release locked the row first, the ticket's statement waits until the
 release is committed, so the waiter's first look, made after its ticket is
@@ -139,16 +140,18 @@ PG_QUEUED = "django_dlock_queued({name}, {besides})"
 # PostgreSQL: a ticket is inserted in the statement that sets ``queued`` on
 # the key's row (creating a free row if there is none), so it waits for a
 # release in flight, a release waits for it and then sees the flag, and an
-# acquire or cleanup waiting for the row sees it changed.
+# acquire or cleanup waiting for the row sees it changed. A semaphore's
+# ticket flags each of its permit rows, in their order (two tickets lock
+# them in the same order), since each permit's release wakes the queue.
 _PG_FLAG = f"""
 INSERT INTO {LOCKS} AS l (name, token, owner, fence, expire_at, queued)
-VALUES (%s, '', '', 0, statement_timestamp(), true)
+SELECT n, '', '', 0, statement_timestamp(), true FROM unnest(%s::text[]) AS n
 ON CONFLICT (name) DO UPDATE SET queued = true
 RETURNING 1
 """
-# A ticket put back by its waiter (cleanup had removed it): the key's row, if
-# there is one, is flagged again (a semaphore has no row of its key's name).
-_PG_REFLAG = f"UPDATE {LOCKS} SET queued = true WHERE name = %s RETURNING 1"
+# A ticket put back by its waiter (cleanup had removed it): the rows that
+# are still there are flagged again.
+_PG_REFLAG = f"UPDATE {LOCKS} SET queued = true WHERE name = ANY(%s) RETURNING 1"
 _PG_ENQUEUE = f"""
 WITH held AS ({_PG_FLAG})
 INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at)
@@ -158,30 +161,20 @@ RETURNING id
 """
 
 
-# A key whose releases update several rows (a semaphore's permits): they
-# are locked FOR SHARE instead (no flag: a permit's release always looks).
-_PG_ENQUEUE_ROWS = f"""
-WITH held AS (SELECT 1 FROM {LOCKS} WHERE name = ANY(%s) FOR SHARE)
-INSERT INTO {WAITERS} (name, token, owner, enqueued_at, expire_at)
-SELECT %s, %s, %s, statement_timestamp(), statement_timestamp() + %s * interval '1 second'
-FROM (SELECT count(*) FROM held) AS h
-RETURNING id
-"""
+def flagged_rows(req: Request) -> list[str]:
+    """The lease rows whose ``queued`` flag tells that somebody may wait for
+    ``req``'s key: the key's own row, or a semaphore's permit rows."""
+    return list(req.queue_rows) if req.queue_rows else [req.key.name]
 
 
-def enqueue(req: Request, rows: list[str] | None = None) -> int:
-    """Take a ticket for ``req``'s key; its number.
-
-    ``rows``: the lease rows whose release wakes this queue, when they are
-    not the key's own row (a semaphore's permits).
-    """
+def enqueue(req: Request) -> int:
+    """Take a ticket for ``req``'s key; its number."""
     ttl = ticket_ttl()
 
     def run(connection: BaseDatabaseWrapper) -> int:
         if connection.vendor == "postgresql":
-            name = req.key.name
-            sql, locked = (_PG_ENQUEUE, name) if rows is None else (_PG_ENQUEUE_ROWS, rows)
-            found = fetch_one(connection, sql, [locked, name, req.token, req.owner, ttl])
+            flagged = [flagged_rows(req), req.key.name, req.token, req.owner, ttl]
+            found = fetch_one(connection, _PG_ENQUEUE, flagged)
             return int(found[0])
         now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
@@ -256,7 +249,7 @@ def beat(req: Request, ticket: int) -> None:
         )
         params = [ticket, req.key.name, req.token, req.owner, ticket_ttl()]
         if connection.vendor == "postgresql":  # the key's row says so again, if it is there
-            sql, params = f"WITH flagged AS ({_PG_REFLAG}) {sql}", [req.key.name, *params]
+            sql, params = f"WITH flagged AS ({_PG_REFLAG}) {sql}", [flagged_rows(req), *params]
         execute(connection, sql, params)
 
     with_reconnect(req.alias, run)

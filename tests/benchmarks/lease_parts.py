@@ -54,7 +54,7 @@ def contenders() -> dict[str, Callable[[], None]]:
         params = [name, token, "", 60.0, newcomer, newcomer]
         if conn.execute(acquire, params, prepare=True).fetchone() is None:
             raise RuntimeError("uncontended acquire failed")
-        conn.execute(release, [name, token, name, name], prepare=True).fetchone()
+        conn.execute(release, [name, token, name], prepare=True).fetchone()
 
     def no_queue() -> None:
         name, token = "lock:bench-parts-noqueue", "parts-noqueue"

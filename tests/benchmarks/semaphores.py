@@ -44,8 +44,10 @@ def contenders(alias: str) -> dict[str, Callable[[], None]]:
 INTRO = [
     f"`with dlock.semaphore(key, permits={PERMITS})` against `with dlock.lock(key)`, a new",
     "object per call, uncontended, in turn, round after round, on each database",
-    "([semaphores](semaphores.md)). A permit is a lease row like a lock's; its",
-    "statement also picks the first free one of the semaphore's rows and counts",
+    "([semaphores](semaphores.md)). A permit is a lease row like a lock's. On",
+    "PostgreSQL a newcomer first tries the semaphore's first row alone, with a",
+    "statement like a lock's acquire (it also checks that the caller holds no",
+    "other permit); elsewhere one statement picks the first free row and counts",
     "the waiters ahead (on MySQL/MariaDB: one transaction that locks the rows).",
     "A read lock (`shared=True`, [read-write locks](semaphores.md#read-write-locks))",
     "writes the key's row and the reader's (on PostgreSQL in one statement); its",

@@ -24,7 +24,13 @@ A take is one statement on PostgreSQL and SQLite (an upsert of the first
 free slot, guarded like a lock's, so two callers racing for the same slot
 never both get it: the loser tries the next one), and one short
 transaction on MySQL/MariaDB that locks the semaphore's slot rows
-(created free on first use).
+(created free on first use). On PostgreSQL, as a lock's row does, the
+slot rows say whether anybody may wait (``queued``: a ticket flags every
+slot row of its semaphore): a newcomer first tries the first slot alone,
+which costs what a lock's acquire costs, and a permit's release wakes the
+queue only when its row is flagged. The statement that picks among the
+slots (and reads the queue only when one of them is flagged) runs when
+that first slot is busy, and for waiters.
 
 ``permits`` is the caller's: ``permits=N`` uses slots ``0 … N-1``. Lowering
 N while holders hold higher slots lets them finish; new grants count only
@@ -88,13 +94,75 @@ pick AS (
     ORDER BY live.name IS NULL, s.i LIMIT 1)"""
 
 
-@functools.cache
-def _pg_take(durable: bool) -> str:
+# PostgreSQL: the queue is read only when one of the slot rows says that
+# somebody may wait (``queued``: every ticket flags all the slot rows of its
+# semaphore, see the queue). The taken slot's flag is cleared once no
+# ticket but the caller's is left, judged after its row is locked.
+_PG_PICK = """present AS (
+    SELECT l.name, l.token, l.expire_at > {now} AS live, l.queued
+    FROM {table} l JOIN slots s ON l.name = s.name),
+pick AS (
+    SELECT s.name FROM slots s LEFT JOIN present p ON p.name = s.name AND p.live
+    WHERE p.token = %s
+       OR (p.name IS NULL AND ((SELECT bool_or(queued) FROM present) IS NOT TRUE
+           OR {ahead} < %s - (SELECT count(*) FROM present WHERE live)))
+    ORDER BY p.name IS NULL, s.i LIMIT 1)"""
+
+
+# PostgreSQL, a newcomer's first try: the first slot, when it is free and not
+# flagged (every ticket flags its semaphore's first slot, and the flag is
+# cleared only once no ticket is left), or the caller's own live lease on
+# it; never while the caller's token holds another slot. As cheap as a
+# lock's acquire; the full take (``_pg_take``) runs when it takes nothing.
+# Parameters: the first slot, token, owner, ttl, then the other slots and
+# the token. The other slots are listed one parameter each: PostgreSQL
+# estimates an array parameter at ten elements, finds the plan it keeps for
+# a prepared statement dearer than one planned for the values, and plans
+# the statement again at every call.
+_PG_FIRST_SLOT = """
+INSERT INTO {table} AS l (name, token, owner, fence, acquired_at, expire_at)
+SELECT %s, %s, %s, {fence}, statement_timestamp(),
+       statement_timestamp() + %s * interval '1 second'
+{others}
+ON CONFLICT (name) DO UPDATE SET
+    token = EXCLUDED.token,
+    owner = EXCLUDED.owner,
+    fence = GREATEST(EXCLUDED.fence, l.fence + 1),
+    acquired_at = EXCLUDED.acquired_at,
+    expire_at = EXCLUDED.expire_at
+WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
+   OR (l.expire_at <= statement_timestamp() AND l.queued IS NOT TRUE)
+RETURNING fence{returning}
+"""
+
+
+@functools.lru_cache(maxsize=128)
+def _pg_first_slot(durable: bool, permits: int) -> str:
+    others = (
+        ""
+        if permits == 1
+        else f"WHERE NOT EXISTS (SELECT 1 FROM {TABLE} o WHERE o.name IN {_in(permits - 1)} "
+        "AND o.token = %s AND o.expire_at > statement_timestamp())"
+    )
+    returning = "" if durable else FAST_COMMIT
+    return _PG_FIRST_SLOT.format(
+        table=TABLE, fence=_FENCE[durable], others=others, returning=returning
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def _pg_take(durable: bool, waiter: bool, permits: int) -> str:
+    """A newcomer's take, or a waiter's (which also deletes its ticket and
+    wakes as many waiters behind it as slots are still free). The slots are
+    one parameter each, for the reason given above ``_pg_first_slot``."""
     now = "statement_timestamp()"
     returning = "" if durable else FAST_COMMIT
-    return f"""
-WITH slots(name, i) AS (SELECT * FROM unnest(%s::text[]) WITH ORDINALITY),
-{_pick(now)},
+    pick = _PG_PICK.format(now=now, table=TABLE, ahead=_ahead(now))
+    queued = queue.PG_QUEUED.format(name="%s", besides="%s")
+    values = ", ".join(f"(%s::text, {i})" for i in range(permits))
+    sql = f"""
+WITH slots(name, i) AS (VALUES {values}),
+{pick},
 taken AS (
     INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
     SELECT pick.name, %s, %s, {_FENCE[durable]}, {now}, {now} + %s * interval '1 second'
@@ -104,15 +172,21 @@ taken AS (
         owner = EXCLUDED.owner,
         fence = GREATEST(EXCLUDED.fence, l.fence + 1),
         acquired_at = EXCLUDED.acquired_at,
-        expire_at = EXCLUDED.expire_at
+        expire_at = EXCLUDED.expire_at,
+        queued = CASE WHEN l.queued THEN {queued} END
     WHERE l.token = EXCLUDED.token OR l.expire_at <= {now}
-    RETURNING l.name, l.fence{returning}),
+    RETURNING l.name, l.fence{returning})"""
+    if not waiter:
+        return f"""{sql}
+SELECT (SELECT name FROM taken), (SELECT fence FROM taken), EXISTS (SELECT 1 FROM pick)
+"""
+    return f"""{sql},
 gone AS (DELETE FROM {WAITERS} WHERE id = %s AND EXISTS (SELECT 1 FROM taken)),
 wake AS (
     SELECT pg_notify('{queue.CHANNEL}', '{queue.WAKE_PREFIX}' || w.id) FROM (
         SELECT w.id FROM {WAITERS} w
         WHERE w.name = %s AND w.expire_at > {now} AND w.id > %s
-        ORDER BY w.id LIMIT GREATEST(0, %s - 1 - (SELECT count(*) FROM live))
+        ORDER BY w.id LIMIT GREATEST(0, %s - 1 - (SELECT count(*) FROM present WHERE live))
     ) w WHERE EXISTS (SELECT 1 FROM taken))
 SELECT (SELECT name FROM taken), (SELECT fence FROM taken), EXISTS (SELECT 1 FROM pick),
        (SELECT count(*) FROM wake)
@@ -203,13 +277,21 @@ class PermitStrategy(LeaseStrategy):
         # the parameters of the ``pick`` CTE, then of the row written
         pick = [req.token, req.key.name, place, self.permits]
         write = [req.token, req.owner, req.ttl]
+        if vendor == "postgresql" and ticket is None:
+            sql = _pg_first_slot(conf.LEASE_SYNCHRONOUS_COMMIT, self.permits)
+            others = [*slots[1:], req.token] if self.permits > 1 else []
+            first = [slots[0], *write, *others]
+            found = fetch_one(connection, sql, first, True)
+            if found is not None:
+                req.row = slots[0]
+                return int(found[0])
         for _race in range(_RACES):
             if vendor == "postgresql":
-                granted = -1 if ticket is None else ticket
-                wake = [req.key.name, place, self.permits]
-                sql = _pg_take(conf.LEASE_SYNCHRONOUS_COMMIT)
-                found = fetch_one(connection, sql, [slots, *pick, *write, granted, *wake], True)
-                slot, fence, picked, _ = found
+                sql = _pg_take(conf.LEASE_SYNCHRONOUS_COMMIT, ticket is not None, self.permits)
+                params = [*slots, *pick, *write, req.key.name, place]
+                if ticket is not None:
+                    params += [ticket, req.key.name, ticket, self.permits]
+                slot, fence, picked = fetch_one(connection, sql, params, True)[:3]
                 if slot is None and picked:
                     continue  # another caller took that slot first: look again
             elif vendor == "sqlite":
@@ -292,7 +374,8 @@ class PermitStrategy(LeaseStrategy):
 
     def enqueue(self, req: Request) -> int:
         """Take a ticket in the semaphore's queue; its number."""
-        return queue.enqueue(req, rows=slot_names(req.key, self.permits))
+        req.queue_rows = tuple(slot_names(req.key, self.permits))
+        return queue.enqueue(req)
 
     # -- what waiters and callers see ------------------------------------------
 

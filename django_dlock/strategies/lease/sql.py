@@ -137,16 +137,15 @@ RETURNING fence
 
 # Wakes the head of the key's queue when somebody may wait (``queued`` on the
 # row as it is once locked: a ticket committed while the release waited for
-# the row has set it). Parameters: name, token, and the key of the queue
-# (twice): a semaphore's permit rows share their semaphore's queue and
-# carry no flag, so a permit's release always looks.
+# the row has set it). Parameters: the row's name, token, and the key of the
+# queue (a semaphore's permit rows share their semaphore's queue).
 _PG_RELEASE = f"""
 WITH released AS (
     UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
     WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
-    RETURNING name, queued{{returning}}
+    RETURNING queued{{returning}}
 )
-SELECT CASE WHEN queued OR name <> %s THEN {queue.PG_WAKE_HEAD.format(name="%s")} END
+SELECT CASE WHEN queued THEN {queue.PG_WAKE_HEAD.format(name="%s")} END
 FROM released
 """
 PG_RELEASE_SQL = {

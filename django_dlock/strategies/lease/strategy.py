@@ -279,7 +279,7 @@ class LeaseStrategy:
         """Release on ``connection``; ``False`` if the lease there is no longer ours."""
         if connection.vendor == "postgresql":
             sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
-            params = [req.row, req.token, req.key.name, req.key.name]  # wakes the key's queue
+            params = [req.row, req.token, req.key.name]  # wakes the key's queue
             return execute(connection, sql, params)[0] is not None
         sql = (
             f"UPDATE {TABLE} SET token = '', expire_at = {dbclock.now_sql(connection)} "
