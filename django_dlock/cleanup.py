@@ -29,7 +29,7 @@ after the rows that were free at its start, instead of chasing new ones.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from django.db import OperationalError, connections, transaction
@@ -62,15 +62,19 @@ _PG_NO_WAITERS = (
 # (a time on the database clock, in the past: such a lease has ended). A row
 # that a ticket flagged while the batch waited for it is a new row version,
 # not the one judged free of tickets: the delete by ctid skips it.
-# {{only}}: nothing, or "AND id = ANY(%s)" for a chosen set of rows.
+# {{where}}: the part of the table the batch looks at: a range of the
+# table's pages (a run walks the table once, in the order it lies on disk),
+# or "AND id = ANY(%s)" for a chosen set of rows.
 _PG_PLAIN_BATCH = f"""
 DELETE FROM {TABLE}
 WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {TABLE}
-        WHERE expire_at <= %s AND {_PG_NO_WAITERS}{{only}}
+        WHERE expire_at <= %s AND {_PG_NO_WAITERS}{{where}}
         LIMIT %s))
   AND expire_at <= %s
 """
+#: a range of pages [first, end), read with a TID range scan (PostgreSQL 14+)
+_PG_PAGES = " AND ctid >= %s::tid AND ctid < %s::tid"
 
 # The same batch, also raising the fence sequence above every number it
 # deletes (for clock-based fences of the fast durability mode).
@@ -87,6 +91,15 @@ FROM top
 _PG_FENCES_AHEAD = f"""
 SELECT COALESCE(max(fence), 0) > (SELECT last_value FROM {FENCE_SEQUENCE}) FROM {TABLE}
 """
+
+# The table's size in pages now, and rows per page as last analysed.
+_PG_PAGES_NOW = f"""
+SELECT pg_relation_size('{TABLE}') / current_setting('block_size')::int,
+       CASE WHEN c.relpages > 0 AND c.reltuples > 0 THEN c.reltuples / c.relpages END
+FROM pg_class c WHERE c.oid = '{TABLE}'::regclass
+"""
+#: rows per page when the table was never analysed (a lease row is about 150 bytes)
+_PG_ROWS_PER_PAGE = 50
 
 
 def _pg_fences_ahead(using: str) -> bool:
@@ -120,52 +133,56 @@ def count_free(using: str, older_than: float = 0.0) -> int:
     return int(row[0]) if row else 0
 
 
-def delete_batch(
-    using: str,
-    batch_size: int,
-    older_than: float = 0.0,
-    *,
-    fences_ahead: bool | None = None,
-    before: Any = None,
-    ids: Sequence[int] | None = None,
-) -> int:
-    """Delete up to ``batch_size`` rows free for at least ``older_than`` seconds.
-
-    ``fences_ahead`` (PostgreSQL): whether rows may carry fencing numbers
-    above the fence sequence, so that the batch must raise the sequence over
-    what it deletes; ``None`` finds out (one query). ``before``: a
-    :func:`cutoff` to use instead of now minus ``older_than``. ``ids``: only
-    rows with these primary keys (:func:`delete_free_rows`). Returns the
-    number of rows deleted (0 when nothing is left).
-    """
+def _check(batch_size: int, older_than: float = 0.0) -> None:
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     if older_than < 0:
         raise ValueError("older_than must be >= 0")
-    if before is None:
-        before = cutoff(using, older_than)
-    connection = connections[using]
-    if connection.vendor == "postgresql":
-        if fences_ahead is None:
-            fences_ahead = _pg_fences_ahead(using)
-        only = "" if ids is None else " AND id = ANY(%s)"
-        params = [before, *([] if ids is None else [list(ids)]), batch_size, before]
-        with connection.cursor() as cur:
-            if not fences_ahead:
-                cur.execute(_PG_PLAIN_BATCH.format(only=only), params)
-                return int(cur.rowcount)
-            cur.execute(_PG_BATCH.format(only=only), params)
-            row = cur.fetchone()
-            return int(row[0]) if row else 0
-    if connection.vendor == "sqlite" and not connection.in_atomic_block:
-        return _sqlite_batch(using, batch_size, before, ids)
-    with transaction.atomic(using=using), connection.cursor() as cur:
-        return _generic_batch(cur, connection.vendor, batch_size, before, ids)
+
+
+def _pg_batch(
+    using: str, batch_size: int, before: Any, fences_ahead: bool, where: str, params: list[Any]
+) -> int:
+    """One PostgreSQL batch in ``where``; the number of rows deleted."""
+    with connections[using].cursor() as cur:
+        args = [before, *params, batch_size, before]
+        if not fences_ahead:
+            cur.execute(_PG_PLAIN_BATCH.format(where=where), args)
+            return int(cur.rowcount)
+        cur.execute(_PG_BATCH.format(where=where), args)
+        row = cur.fetchone()
+        return int(row[0]) if row else 0
+
+
+def _pg_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:
+    """A run's batches on PostgreSQL: the table's pages in order, a range of
+    about ``batch_size`` rows at a time (twice as many pages after a range
+    that gave less than half a batch), each range again until it holds no
+    more than ``batch_size`` rows to delete. The pages are those the table
+    has when the run begins: a row freed before the run lies in one of them."""
+    fences_ahead = _pg_fences_ahead(using)
+    with connections[using].cursor() as cur:
+        cur.execute(_PG_PAGES_NOW)
+        pages, per_page = cur.fetchone()
+    step = max(1, int(batch_size // float(per_page or _PG_ROWS_PER_PAGE)))
+    first = 0
+    while first < pages:
+        span = [f"({first},0)", f"({first + step},0)"]
+        deleted = _pg_batch(using, batch_size, before, fences_ahead, _PG_PAGES, span)
+        if deleted:
+            yield deleted
+        if deleted < batch_size:
+            first += step
+            if deleted < batch_size // 2:  # sparse pages: look at more of them at once
+                step *= 2
 
 
 def _generic_batch(
-    cur: Any, vendor: str, batch_size: int, before: Any, ids: Sequence[int] | None = None
-) -> int:
+    cur: Any, vendor: str, batch_size: int, before: Any, where: str, params: list[Any]
+) -> tuple[int, int | None]:
+    """One SQLite or MySQL/MariaDB batch among the rows ``where`` picks, in
+    ``id`` order; the number deleted, and the highest ``id`` looked at (None:
+    no row was left to delete)."""
     # On MySQL the floor row lock orders us with acquirers that insert new
     # rows (they read the floor with LOCK IN SHARE MODE). On SQLite the
     # transaction holds the database's write lock from its start.
@@ -173,19 +190,14 @@ def _generic_batch(
     cur.execute(f"SELECT value FROM {FLOOR} WHERE id = 1{lock_floor}")
     row = cur.fetchone()
     floor = int(row[0]) if row else None
-    only, chosen = "", []
-    if ids is not None:
-        if not ids:
-            return 0
-        only, chosen = f" AND id IN ({', '.join(['%s'] * len(ids))})", list(ids)
     cur.execute(
         f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s "
-        f"AND {_NO_WAITERS.format(now=dbclock._NOW[vendor])}{only} ORDER BY id LIMIT %s",
-        [before, *chosen, batch_size],
+        f"AND {_NO_WAITERS.format(now=dbclock._NOW[vendor])}{where} ORDER BY id LIMIT %s",
+        [before, *params, batch_size],
     )
     rows = cur.fetchall()
     if not rows:
-        return 0
+        return 0, None
     found = [r[0] for r in rows]
     highest = max(int(r[1]) for r in rows)
     if floor is None:
@@ -194,7 +206,7 @@ def _generic_batch(
         cur.execute(f"UPDATE {FLOOR} SET value = %s WHERE id = 1", [highest])
     marks = ", ".join(["%s"] * len(found))
     cur.execute(f"DELETE FROM {TABLE} WHERE id IN ({marks}) AND expire_at <= %s", [*found, before])
-    return int(cur.rowcount)
+    return int(cur.rowcount), max(found)
 
 
 def _sqlite_busy_timeout(using: str) -> float:
@@ -205,8 +217,8 @@ def _sqlite_busy_timeout(using: str) -> float:
 
 
 def _sqlite_batch(
-    using: str, batch_size: int, before: Any, ids: Sequence[int] | None = None
-) -> int:
+    using: str, batch_size: int, before: Any, where: str, params: list[Any]
+) -> tuple[int, int | None]:
     """One batch in a ``BEGIN IMMEDIATE`` transaction, tried again while the database is busy."""
     connection = connections[using]
     deadline = time.monotonic() + _sqlite_busy_timeout(using)
@@ -222,12 +234,36 @@ def _sqlite_batch(
                 pause = min(pause * 2, 0.5)
                 continue
             try:
-                deleted = _generic_batch(cur, "sqlite", batch_size, before, ids)
+                done = _generic_batch(cur, "sqlite", batch_size, before, where, params)
             except BaseException:
                 cur.execute("ROLLBACK")
                 raise
             cur.execute("COMMIT")
-            return deleted
+            return done
+
+
+def _one_batch(
+    using: str, batch_size: int, before: Any, where: str, params: list[Any]
+) -> tuple[int, int | None]:
+    """One SQLite or MySQL/MariaDB batch (see :func:`_generic_batch`)."""
+    connection = connections[using]
+    if connection.vendor == "sqlite" and not connection.in_atomic_block:
+        return _sqlite_batch(using, batch_size, before, where, params)
+    with transaction.atomic(using=using), connection.cursor() as cur:
+        return _generic_batch(cur, connection.vendor, batch_size, before, where, params)
+
+
+def _id_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:
+    """A run's batches on SQLite and MySQL/MariaDB: the table in ``id``
+    order, each batch after the highest ``id`` the last one looked at."""
+    after = 0
+    while True:
+        deleted, last = _one_batch(using, batch_size, before, " AND id > %s", [after])
+        if last is None:
+            return
+        if deleted:
+            yield deleted
+        after = last
 
 
 def delete_free(
@@ -240,23 +276,24 @@ def delete_free(
     """Delete every row that was free for at least ``older_than`` seconds when the run began.
 
     The run reads its :func:`cutoff` once, so rows freed while it goes on
-    are left for the next run: it finishes under load. ``progress(batch_deleted,
-    total_so_far)`` is called after each batch. Returns the total number of
-    rows deleted.
+    are left for the next run: it finishes under load. It walks the table
+    once, in batches of at most ``batch_size`` rows, each in a transaction
+    of its own: on PostgreSQL by ranges of the table's pages (a TID range
+    scan, PostgreSQL 14 and later; older servers read the whole table for
+    each batch), elsewhere in primary key order. ``progress(batch_deleted,
+    total_so_far)`` is called after each batch that deleted rows. Returns
+    the total number of rows deleted.
     """
+    _check(batch_size, older_than)
     delete_dead_waiters(using)
-    total = 0
-    fences_ahead = _pg_fences_ahead(using) if connections[using].vendor == "postgresql" else None
     before = cutoff(using, older_than)
-    while True:
-        deleted = delete_batch(
-            using, batch_size, older_than, fences_ahead=fences_ahead, before=before
-        )
-        if deleted == 0:
-            return total
+    walk = _pg_walk if connections[using].vendor == "postgresql" else _id_walk
+    total = 0
+    for deleted in walk(using, batch_size, before):
         total += deleted
         if progress is not None:
             progress(deleted, total)
+    return total
 
 
 def delete_free_rows(using: str, ids: Iterable[int], *, batch_size: int = 10_000) -> int:
@@ -268,17 +305,22 @@ def delete_free_rows(using: str, ids: Iterable[int], *, batch_size: int = 10_000
     never deleted, nor a free row whose key has live waiters; the fencing
     history is kept. Returns the number of rows deleted.
     """
-    if batch_size < 1:
-        raise ValueError("batch_size must be >= 1")
+    _check(batch_size)
     chosen = sorted(set(ids))
     if not chosen:
         return 0
-    fences_ahead = _pg_fences_ahead(using) if connections[using].vendor == "postgresql" else None
+    postgresql = connections[using].vendor == "postgresql"
+    fences_ahead = _pg_fences_ahead(using) if postgresql else False
     before = cutoff(using)
     total = 0
     for start in range(0, len(chosen), batch_size):
         part = chosen[start : start + batch_size]
-        total += delete_batch(using, len(part), fences_ahead=fences_ahead, before=before, ids=part)
+        if postgresql:
+            where = " AND id = ANY(%s)"
+            total += _pg_batch(using, len(part), before, fences_ahead, where, [part])
+        else:
+            where = f" AND id IN ({', '.join(['%s'] * len(part))})"
+            total += _one_batch(using, len(part), before, where, part)[0]
     return total
 
 

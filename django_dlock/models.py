@@ -37,7 +37,7 @@ class Lock(models.Model):
     )
     fence = models.BigIntegerField(default=0, help_text="fencing number of the latest holding")
     acquired_at = models.DateTimeField(null=True, blank=True)
-    expire_at = models.DateTimeField("expires at", db_index=True)
+    expire_at = models.DateTimeField("expires at")
     queued = models.BooleanField(
         null=True,
         editable=False,

@@ -52,13 +52,14 @@ def test_a_run_ends_with_what_was_free_when_it_began(alias):
         # A writer releasing new keys between every two batches.
         nonlocal batches
         batches += 1
+        assert 0 < deleted <= BATCH
         if batches > 3 * FREE_AT_START // BATCH:  # the old code chased these forever
             raise AssertionError("the run keeps deleting rows freed after it began")
         _free_rows(alias, 5, f"new:{next(fresh)}")
 
     total = cleanup.delete_free(alias, batch_size=BATCH, progress=progress)
     assert total == FREE_AT_START
-    assert batches == FREE_AT_START // BATCH
+    assert batches >= FREE_AT_START // BATCH
     assert _rows(alias, "new:") == 5 * batches  # freed during the run: kept for the next one
 
 
