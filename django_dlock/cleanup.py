@@ -156,25 +156,28 @@ def _pg_batch(
 
 def _pg_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:
     """A run's batches on PostgreSQL: the table's pages in order, a range of
-    about ``batch_size`` rows at a time (twice as many pages after a range
-    that gave less than half a batch), each range again until it holds no
-    more than ``batch_size`` rows to delete. The pages are those the table
-    has when the run begins: a row freed before the run lies in one of them."""
+    them at a time, each range again until it holds no more than
+    ``batch_size`` rows to delete. The first range's size comes from the
+    table's statistics, each next one's from what the last range held (aiming
+    at nine tenths of a batch, at most twice as many pages). The pages are
+    those the table has when the run begins: a row freed before the run lies
+    in one of them."""
     fences_ahead = _pg_fences_ahead(using)
     with connections[using].cursor() as cur:
         cur.execute(_PG_PAGES_NOW)
         pages, per_page = cur.fetchone()
-    step = max(1, int(batch_size // float(per_page or _PG_ROWS_PER_PAGE)))
-    first = 0
+    step = max(1, int(0.9 * batch_size / float(per_page or _PG_ROWS_PER_PAGE)))
+    first = in_range = 0
     while first < pages:
         span = [f"({first},0)", f"({first + step},0)"]
         deleted = _pg_batch(using, batch_size, before, fences_ahead, _PG_PAGES, span)
+        in_range += deleted
         if deleted:
             yield deleted
         if deleted < batch_size:
             first += step
-            if deleted < batch_size // 2:  # sparse pages: look at more of them at once
-                step *= 2
+            step = max(1, min(2 * step, int(step * 0.9 * batch_size / max(in_range, 1))))
+            in_range = 0
 
 
 def _generic_batch(

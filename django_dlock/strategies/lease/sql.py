@@ -139,14 +139,13 @@ RETURNING fence
 # row as it is once locked: a ticket committed while the release waited for
 # the row has set it). Parameters: the row's name, token, and the key of the
 # queue (a semaphore's permit rows share their semaphore's queue).
+# The wake-up is in the RETURNING list, evaluated once the row is updated
+# (a SELECT around the UPDATE cost the server about 5 % of an uncontended
+# pair).
 _PG_RELEASE = f"""
-WITH released AS (
-    UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
-    WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
-    RETURNING queued{{returning}}
-)
-SELECT CASE WHEN queued THEN {queue.PG_WAKE_HEAD.format(name="%s")} END
-FROM released
+UPDATE {TABLE} SET token = '', expire_at = statement_timestamp()
+WHERE name = %s AND token = %s AND expire_at > statement_timestamp()
+RETURNING CASE WHEN queued THEN {queue.PG_WAKE_HEAD.format(name="%s")} END{{returning}}
 """
 PG_RELEASE_SQL = {
     durable: _PG_RELEASE.format(returning="" if durable else FAST_COMMIT)
