@@ -40,6 +40,27 @@ def _rows() -> set[str]:
         return {name for (name,) in cur.fetchall()}
 
 
+def _wal_writer_just_flushed(cluster: PrivateCluster) -> None:
+    """Make the WAL writer flush everything now, so that for the next
+    ``wal_writer_delay`` (10 s) it writes only completed WAL pages.
+
+    Woken by an asynchronous commit that starts a new page, the WAL writer
+    flushes everything, the last commit too, when its own last full flush
+    is older than ``wal_writer_delay``; otherwise it flushes completed pages
+    only. A few kB of asynchronously committed rows wake it, and it flushes
+    them all: the lease writes that follow are then lost at a crash unless
+    their page filled up."""
+    db = "dlock_crash"
+    cluster.sql("CREATE TABLE IF NOT EXISTS dlock_wal_filler (x text)", dbname=db)
+    cluster.sql(
+        "INSERT INTO dlock_wal_filler SELECT string_agg(md5(random()::text || g), '') "
+        "FROM generate_series(1, 16) AS r, generate_series(1, 64) AS g, "
+        "(SELECT set_config('synchronous_commit', 'off', true)) AS s GROUP BY r",
+        dbname=db,
+    )
+    cluster.wait_for("SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()", timeout=30)
+
+
 def _acquire_many(prefix: str) -> tuple[list[dlock.Lock], list[int]]:
     held, fences = [], []
     for i in range(50):
@@ -59,6 +80,7 @@ def _acquire_many(prefix: str) -> tuple[list[dlock.Lock], list[int]]:
 def test_crash_of_the_database_server(cluster, durable):
     prefix = "durable-" if durable else "fast-"
     with override_settings(DLOCK_LEASE_SYNCHRONOUS_COMMIT=durable):
+        _wal_writer_just_flushed(cluster)
         held, fences = _acquire_many(prefix)
         assert all(a < b for a, b in zip(fences, fences[1:], strict=False))
         connections[ALIAS].close()
