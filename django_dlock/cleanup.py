@@ -42,8 +42,9 @@ FLOOR = FENCE_FLOOR_TABLE
 WAITERS = WAITER_TABLE
 
 # A free row whose key has live waiters stays: its queue decides who is next.
+# {{queue}}: the name of the row's queue (a SQL expression), {{now}}: the clock.
 _NO_WAITERS = (
-    f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = {TABLE}.name AND w.expire_at > {{now}})"
+    f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = {{queue}} AND w.expire_at > {{now}})"
 )
 
 # PostgreSQL: a semaphore's permit row that a ticket flagged (``queued``)
@@ -51,11 +52,10 @@ _NO_WAITERS = (
 # to read the semaphore's queue. A permit row is named after its semaphore's
 # key with ``#`` and the permit's number; no other row's name starts with
 # ``semaphore``.
-_PG_NO_WAITERS = (
-    f"NOT EXISTS (SELECT 1 FROM {WAITERS} w WHERE w.name = CASE "
-    f"WHEN {TABLE}.queued AND {TABLE}.name LIKE 'semaphore%%' "
-    f"THEN regexp_replace({TABLE}.name, '#[0-9]+$', '') ELSE {TABLE}.name END "
-    "AND w.expire_at > statement_timestamp())"
+_PG_NO_WAITERS = _NO_WAITERS.format(
+    queue=f"CASE WHEN {TABLE}.queued AND {TABLE}.name LIKE 'semaphore%%' "
+    f"THEN regexp_replace({TABLE}.name, '#[0-9]+$', '') ELSE {TABLE}.name END",
+    now="statement_timestamp()",
 )
 
 # One batch: delete by ctid, re-checking expiry against the run's cutoff
@@ -195,7 +195,8 @@ def _generic_batch(
     floor = int(row[0]) if row else None
     cur.execute(
         f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s "
-        f"AND {_NO_WAITERS.format(now=dbclock._NOW[vendor])}{where} ORDER BY id LIMIT %s",
+        f"AND {_NO_WAITERS.format(queue=f'{TABLE}.name', now=dbclock._NOW[vendor])}{where} "
+        "ORDER BY id LIMIT %s",
         [before, *params, batch_size],
     )
     rows = cur.fetchall()

@@ -243,11 +243,9 @@ def test_a_cleanup_waiting_for_a_ticket_keeps_the_keys_row(pg):
 # -- PostgreSQL: a semaphore's permit rows say whether anybody may wait ---------
 
 
-def _permit_request(name: str, token: str) -> Request:
+def _permit_request(name: str, token: str, alias: str = "default") -> Request:
     key = make_key(name, "semaphore")
-    return Request(
-        key=key, alias="default", token=token, owner=f"test {token}", ttl=30, row=key.name
-    )
+    return Request(key=key, alias=alias, token=token, owner=f"test {token}", ttl=30, row=key.name)
 
 
 def _flags(alias: str, name: str) -> dict[str, Any]:

@@ -406,17 +406,12 @@ def test_a_take_again_with_the_same_token_renews_its_own_permit_not_another(alia
     """A take whose answer was lost is tried again with the same token: it is
     granted the permit it already holds (a new fencing number), never a
     second one, even when an earlier permit has become free meanwhile."""
-    from django_dlock.keys import make_key
-    from django_dlock.strategies.base import Request
     from django_dlock.strategies.lease.permits import permit_strategy
 
+    from .test_fairness_races import _permit_request
+
     sem = permit_strategy(2)
-    key = make_key("again", "semaphore")
-
-    def request(token: str) -> Request:
-        return Request(key=key, alias=alias, token=token, owner=token, ttl=30, row=key.name)
-
-    first, mine = request("first"), request("mine")
+    first, mine = _permit_request("again", "first", alias), _permit_request("again", "mine", alias)
     assert sem.try_acquire(first) is not None and first.row == "semaphore:again#0"
     fence = sem.try_acquire(mine)
     assert fence is not None and mine.row == "semaphore:again#1"
