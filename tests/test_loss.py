@@ -203,6 +203,10 @@ def _lose(lk, key, alias, strategy, state, taker, losses):
         # The session watcher notices the closed connection on its own, and
         # reports it (lost is set first, then the signal and the callback).
         wait_until(lambda: lk.lost and bool(losses.callbacks), timeout=30)
+        # The client sees its connection closed before the server has ended
+        # the killed session: MariaDB frees its GET_LOCK locks (and PostgreSQL
+        # its advisory locks) only as that session's thread ends.
+        wait_until(lambda: not lk.locked(), timeout=30)
         if state == "taken":
             taker.take(key, alias, strategy)
 
