@@ -167,8 +167,19 @@ class Cell:
         with connections[self.alias].cursor() as cur:
             if self.vendor == "postgresql":
                 cur.execute("SELECT pg_terminate_backend(%s)", [backend_pid])
+                listed = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
             else:
                 cur.execute("KILL %s", [backend_pid])
+                listed = "SELECT count(*) FROM information_schema.processlist WHERE id = %s"
+
+        # Both return before the session has ended; its locks are freed as it
+        # ends, before the server stops listing it.
+        def gone() -> bool:
+            with connections[self.alias].cursor() as cur:
+                cur.execute(listed, [backend_pid])
+                return cur.fetchone()[0] == 0
+
+        wait_until(gone, timeout=30)
 
     def release_behind_our_back(self, session: Any) -> None:
         """Someone frees every lock of the holder's session, on that session."""
