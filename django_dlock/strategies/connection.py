@@ -48,7 +48,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from django.conf import settings
@@ -185,17 +185,21 @@ def guard_statements(connection: BaseDatabaseWrapper, **_: Any) -> None:
         connection.init_connection_state = init_connection_state  # type: ignore[method-assign]
 
 
-@dataclass(eq=False)
 class _Watch:
-    raw: Any
-    at: float
-    mutex: threading.Lock = field(default_factory=threading.Lock)
-    #: send a cancel request first (through a pooler, whose server answers)
-    cancel: bool = True
-    done: bool = False
-    fired: bool = False
-    #: set once a fired watch has shut the socket (made when it fires: most never do)
-    finished: threading.Event | None = None
+    """One statement's watch. ``done`` and ``fired`` change under the
+    watchdog's mutex (one per process: a watch is held for microseconds)."""
+
+    __slots__ = ("raw", "at", "cancel", "done", "fired", "finished")
+
+    def __init__(self, raw: Any, at: float, cancel: bool) -> None:
+        self.raw = raw
+        self.at = at
+        #: send a cancel request first (through a pooler, whose server answers)
+        self.cancel = cancel
+        self.done = False
+        self.fired = False
+        #: set once a fired watch has shut the socket (made when it fires: most never do)
+        self.finished: threading.Event | None = None
 
 
 class _Watchdog:
@@ -207,13 +211,10 @@ class _Watchdog:
         self.heap: list[tuple[float, int, _Watch]] = []
         self.seq = itertools.count()
         self.thread: threading.Thread | None = None
-        self.pid = 0
 
     def add(self, watch: _Watch) -> None:
         with self.mutex:  # (the condition's lock)
-            if self.thread is None or self.pid != os.getpid():  # none yet, or forked
-                self.heap.clear()
-                self.pid = os.getpid()
+            if self.thread is None:  # none yet (or forked: see _forked)
                 self.thread = threading.Thread(
                     target=self._run, name="django-dlock-statement-watch", daemon=True
                 )
@@ -221,6 +222,21 @@ class _Watchdog:
             heapq.heappush(self.heap, (watch.at, next(self.seq), watch))
             if self.heap[0][2] is watch:
                 self.cond.notify()
+
+    def finish(self, watch: _Watch) -> bool:
+        """The statement of ``watch`` has returned: whether the watch fired first."""
+        with self.mutex:
+            watch.done = True
+            if not watch.fired:
+                watch.raw = None  # (the watch may stay queued until its time: hold nothing)
+            return watch.fired
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's thread and watches are not the child's."""
+        self.mutex = threading.Lock()
+        self.cond = threading.Condition(self.mutex)
+        self.heap = []
+        self.thread = None
 
     def _run(self) -> None:
         while True:
@@ -231,18 +247,20 @@ class _Watchdog:
                         heapq.heapify(self.heap)
                     self.cond.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
                 _, _, watch = heapq.heappop(self.heap)
+                if watch.done:
+                    continue
+                watch.fired = True
+                watch.finished = threading.Event()
             _fire(watch)
 
 
 _watchdog = _Watchdog()
+os.register_at_fork(after_in_child=_watchdog._forked)
 
 
 def _fire(watch: _Watch) -> None:
-    with watch.mutex:
-        if watch.done:
-            return
-        watch.fired = True
-        finished = watch.finished = threading.Event()
+    finished = watch.finished
+    assert finished is not None  # (made when it was marked fired)
     try:
         # Stops the statement if it runs on a server (PgBouncer forwards the
         # cancel); a client still in PgBouncer's queue is not cancelled...
@@ -308,19 +326,14 @@ def watched_raw(raw: Any, run: Callable[[], T], grace: float = 0.0, cancel: bool
     # a statement sent before the deadline is given up at it; one sent after it
     # (giving back a place or a ticket once the acquire has failed) still gets
     # one round trip
-    watch = _Watch(raw, (end if now < end else now + STATEMENT_FLOOR) + grace, cancel=cancel)
+    watch = _Watch(raw, (end if now < end else now + STATEMENT_FLOOR) + grace, cancel)
     _watchdog.add(watch)
     error: BaseException | None = None
     try:
         result = run()
     except BaseException as exc:
         error = exc
-    with watch.mutex:
-        watch.done = True
-        fired = watch.fired
-        if not fired:
-            watch.raw = None  # (the watch may stay queued until its time: hold nothing)
-    if fired:
+    if _watchdog.finish(watch):
         assert watch.finished is not None  # (made before fired was set)
         watch.finished.wait()
         raise Abandoned(
