@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,7 @@ def scaling_table(points: list[Point]) -> list[str]:
             p = by[strategy, mode, n]
             cells.append(f"{median(p.ours):,.0f} / {median(p.floor):,.0f} ({p.ratio:.2f}x)")
         lines.append(f"| {strategy} | {mode} | " + " | ".join(cells) + " |")
+    lines += cpu_table(points)
     ceiling = max(
         (median(p.floor) for p in points if p.strategy == "advisory" and p.mode == "distinct keys"),
         default=float("nan"),
@@ -249,6 +251,46 @@ def scaling_table(points: list[Point]) -> list[str]:
         "trips bound it well below that.",
     ]
     return lines
+
+
+def cpu_table(points: list[Point]) -> list[str]:
+    """What one pair costs the cores, distinct keys: client and server CPU, ours / floor."""
+    from statistics import median
+
+    mine = [p for p in points if p.mode == "distinct keys" and p.ours_cpu and p.floor_cpu]
+    if not mine:
+        return []
+    counts = sorted({p.processes for p in mine})
+    lines = [
+        "",
+        "CPU time per pair on distinct keys, in µs (median of the rounds), ours / the floor: "
+        "the clients' (`time.process_time` of each process over the window) and the "
+        "server's (every PostgreSQL process, read from `/proc`). On two cores the two "
+        "compete: once the cores are busy, the pairs per second are about 2 s divided by "
+        "the sum.",
+        "",
+        "| strategy | CPU | " + " | ".join(f"N = {n}" for n in counts) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in counts) + " |",
+    ]
+    by = {(p.strategy, p.processes): p for p in mine}
+    for strategy in dict.fromkeys(p.strategy for p in mine):
+        for part, index in (("client", 0), ("server", 1)):
+            cells = []
+            for n in counts:
+                p = by.get((strategy, n))
+                ours = [] if p is None else _known(c[index] for c in p.ours_cpu)
+                floor = [] if p is None else _known(c[index] for c in p.floor_cpu)
+                if not ours or not floor:
+                    cells.append("")
+                    continue
+                a, b = median(ours), median(floor)
+                cells.append(f"{a:,.0f} / {b:,.0f} ({a / b:.2f}x)")
+            lines.append(f"| {strategy} | {part} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _known(values: Iterable[float | None]) -> list[float]:
+    return [value for value in values if value is not None]
 
 
 def memory_table(results: list[Memory]) -> list[str]:

@@ -13,10 +13,16 @@ Ours and the floor alternate round by round (A B A B …).
   hot key the floors wait in PostgreSQL's lock queue (``pg_advisory_lock``,
   ``pg_advisory_xact_lock``, ``SELECT … FOR UPDATE``); the lease floor retries
   its upsert after 1 ms.
+
+Each round also measures what a pair costs the machine's cores: each
+client's CPU time over the window (``time.process_time``) and, when the
+server runs on this machine, the CPU time of every PostgreSQL process
+(backends, WAL writer and the rest, read from ``/proc``), per pair.
 """
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
 import time
@@ -119,10 +125,11 @@ def _worker(index: int, inbox: Any, outbox: Any) -> None:
             time.sleep(0.0005)
         end = start_at + seconds
         done = 0
+        cpu = time.process_time()
         while time.monotonic() < end:
             pair()
             done += 1
-        outbox.put(("done", index, done))
+        outbox.put(("done", index, (done, time.process_time() - cpu)))
     conn.close()
     connections.close_all()
 
@@ -134,13 +141,35 @@ class Point:
     processes: int
     ours: list[float] = field(default_factory=list)  # aggregate pairs/s per round
     floor: list[float] = field(default_factory=list)
+    #: per round: (client CPU, server CPU or None) in µs per pair
+    ours_cpu: list[tuple[float, float | None]] = field(default_factory=list)
+    floor_cpu: list[tuple[float, float | None]] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
         return median(self.ours) / median(self.floor)
 
 
-def run(rounds: int = 2, seconds: float = 1.5, counts: tuple[int, ...] = COUNTS) -> list[Point]:
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu() -> float | None:
+    """CPU seconds used so far by this machine's PostgreSQL processes (None: none seen)."""
+    total, seen = 0, False
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                raw = f.read()
+        except OSError:
+            continue
+        if raw[raw.index("(") + 1 : raw.rindex(")")].startswith("postgres"):
+            fields = raw.rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+            seen = True
+    return total / _TICK if seen else None
+
+
+def run(rounds: int = 3, seconds: float = 1.5, counts: tuple[int, ...] = COUNTS) -> list[Point]:
     ctx = multiprocessing.get_context("spawn")
     outbox = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(max(counts))]
@@ -159,12 +188,27 @@ def run(rounds: int = 2, seconds: float = 1.5, counts: tuple[int, ...] = COUNTS)
                 for n in counts:
                     point = Point(strategy, mode, n)
                     for _ in range(rounds):
-                        for who, results in (("ours", point.ours), ("floor", point.floor)):
+                        for who, results, cpus in (
+                            ("ours", point.ours, point.ours_cpu),
+                            ("floor", point.floor, point.floor_cpu),
+                        ):
                             start_at = time.monotonic() + 0.3
                             for inbox in inboxes[:n]:
                                 inbox.put((who, strategy, mode, start_at, seconds))
-                            total = sum(outbox.get(timeout=seconds + 120)[2] for _ in range(n))
+                            while time.monotonic() < start_at:
+                                time.sleep(0.001)
+                            server_before = server_cpu()
+                            done = [outbox.get(timeout=seconds + 120)[2] for _ in range(n)]
+                            server_after = server_cpu()
+                            total = sum(pairs for pairs, _ in done)
                             results.append(total / seconds)
+                            client = sum(cpu for _, cpu in done) / max(total, 1) * 1e6
+                            server = (
+                                None
+                                if server_before is None or server_after is None
+                                else (server_after - server_before) / max(total, 1) * 1e6
+                            )
+                            cpus.append((client, server))
                     points.append(point)
     finally:
         for inbox in inboxes:

@@ -52,3 +52,18 @@ def test_a_section_is_matched_by_its_title_not_its_number():
     renumbered = NEW + "\n## 13. Tracing\n\nnew tracing\n"
     assert "Tracing" not in kept_sections(OLD, renumbered)
     assert kept_sections(NEW, NEW) == ""
+
+
+def test_the_cpu_table_gives_client_and_server_cost_per_pair_ours_over_the_floor():
+    from tests.benchmarks.report import cpu_table
+    from tests.benchmarks.scaling import Point
+
+    one = Point("lease", "distinct keys", 1, ours_cpu=[(300.0, 200.0)], floor_cpu=[(200.0, 250.0)])
+    # a server on another machine: its CPU is not known, and its cell is left empty
+    two = Point("lease", "distinct keys", 2, ours_cpu=[(90.0, None)], floor_cpu=[(60.0, None)])
+    hot = Point("lease", "one hot key", 1, ours_cpu=[(1.0, 1.0)], floor_cpu=[(1.0, 1.0)])
+    lines = cpu_table([one, two, hot])
+    assert "| lease | client | 300 / 200 (1.50x) | 90 / 60 (1.50x) |" in lines
+    assert "| lease | server | 200 / 250 (0.80x) |  |" in lines
+    assert sum(line.startswith("| lease |") for line in lines) == 2  # the hot key is left out
+    assert cpu_table([hot]) == []
