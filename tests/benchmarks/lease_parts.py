@@ -6,8 +6,10 @@ and its DELETE): our own acquire and release statements run raw (the
 server's share of our pair, with the least client work), the same without
 their queue parts (the "no live ticket ahead" checks and the wake-up of the
 queue's head), that again with the floor's DELETE as the release (a row
-kept and updated, or deleted and inserted again), and ours the way users
-write it (``with dlock.lock(key)``, a new lock per call). Each row's ratio
+kept and updated, or deleted and inserted again), our statements sent as
+the lock sends them (through its connection layer on Django's connection,
+without the lock API above it), and ours the way users write it (``with
+dlock.lock(key)``, a new lock per call). Each row's ratio
 is the median of the per-round ratios to the floor.
 """
 
@@ -40,7 +42,10 @@ DELETE_RELEASE = "DELETE FROM django_dlock_lock WHERE name = %s AND token = %s"
 
 
 def contenders() -> dict[str, Callable[[], None]]:
+    from django.db import connections
+
     from django_dlock.strategies import queue
+    from django_dlock.strategies.connection import execute
     from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL, PG_RELEASE_SQL
 
     from . import uncontended
@@ -68,12 +73,21 @@ def contenders() -> dict[str, Callable[[], None]]:
             raise RuntimeError("uncontended acquire failed")
         conn.execute(DELETE_RELEASE, [name, token], prepare=True)
 
+    def layer() -> None:
+        name, token = "lock:bench-parts-layer", "parts-layer"
+        connection = connections["default"]
+        params = [name, token, "", 60.0, newcomer, newcomer]
+        if execute(connection, acquire, params, True)[0] is None:
+            raise RuntimeError("uncontended acquire failed")
+        execute(connection, release, [name, token, name])
+
     floor = uncontended.floor_pairs(conn, 4545, "lock:bench-parts-floor")["lease"]
     return {
         "floor: lease upsert + DELETE": floor,
         "our statements, raw": ours_raw,
         "our statements without the queue parts": no_queue,
         "the same, the release a DELETE": no_queue_delete,
+        "our statements through the lock's connection layer": layer,
         "ours: with dlock.lock(key)": uncontended.user_pair("lease", "bench-parts-api"),
     }
 
