@@ -140,3 +140,34 @@ def test_signals_reach_a_receiver_connected_after_locks_were_used():
 def test_the_package_hands_out_the_lock_function_itself():
     assert dlock.lock is locks.lock
     assert dlock.Lock is locks.Lock
+
+
+def test_the_thread_connection_is_djangos_in_threads_and_under_an_event_loop():
+    import asyncio
+    import threading
+
+    from django.db import connections
+
+    from django_dlock.strategies.connection import thread_connection
+
+    assert thread_connection("default") is connections["default"]
+    seen = {}
+
+    def other_thread():
+        try:
+            seen["thread"] = (thread_connection("default"), connections["default"])
+        finally:
+            connections.close_all()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    mine, django_s = seen["thread"]
+    assert mine is django_s and mine is not connections["default"]
+
+    async def in_loop():
+        # under a running loop, asgiref keeps connections per context: no shortcut
+        return thread_connection("default"), connections["default"]
+
+    mine, django_s = asyncio.run(in_loop())
+    assert mine is django_s
