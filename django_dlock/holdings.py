@@ -51,7 +51,7 @@ T = TypeVar("T")
 CLOCK_GRAIN = 0.001
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Holding:
     """One key held by one holder: the re-entrancy count and what we know."""
 
