@@ -11,12 +11,21 @@ the lock sends them (through its connection layer on Django's connection,
 without the lock API above it), and ours the way users write it (``with
 dlock.lock(key)``, a new lock per call). Each row's ratio
 is the median of the per-round ratios to the floor.
+
+Then two measures of the client alone: the CPU time a pair costs the client
+process (``time.process_time`` over a few thousand pairs, rounds in turn)
+for the floor, the statements through the connection layer and ours; and
+the lock API above the statements timed without a database, its statements
+answered at once by a stand-in for the function that sends them (warm in
+the cache: the least the API can cost).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+import timeit
 from collections.abc import Callable
 
 from .common import ensure_databases, interleaved, raw_connection, setup_django
@@ -39,6 +48,44 @@ NO_QUEUE_RELEASE = (
     "WHERE name = %s AND token = %s AND expire_at > statement_timestamp() RETURNING name"
 )
 DELETE_RELEASE = "DELETE FROM django_dlock_lock WHERE name = %s AND token = %s"
+
+
+#: the pairs whose client CPU time is measured (filled by :func:`contenders`)
+CLIENT_CPU: dict[str, Callable[[], None]] = {}
+
+
+def client_cpu(pairs: int = 3000, rounds: int = 4) -> dict[str, list[float]]:
+    """CPU time of the client process per pair, in µs, per round (rounds in turn)."""
+    found: dict[str, list[float]] = {label: [] for label in CLIENT_CPU}
+    for _ in range(rounds):
+        for label, pair in CLIENT_CPU.items():
+            started = time.process_time()
+            for _ in range(pairs):
+                pair()
+            found[label].append((time.process_time() - started) / pairs * 1e6)
+    return found
+
+
+def api_without_database(pairs: int = 20000) -> float:
+    """µs per ``with dlock.lock(key)`` pair, its statements answered at once (best of 5)."""
+    from django_dlock.strategies import connection
+
+    from . import uncontended
+
+    pair = uncontended.user_pair("lease", "bench-parts-nodb")
+    pair()  # the connection open, the statements prepared
+    fence = iter(range(1, 10**9))
+    sent = connection._execute_prepared
+
+    def answered(conn: object, sql: str, params: object) -> tuple[tuple[object], int]:
+        # an acquire's row is its fencing number, a release's the queue's wake-up
+        return ((next(fence),) if sql.lstrip().startswith("INSERT") else (None,)), 1
+
+    connection._execute_prepared = answered  # type: ignore[assignment]
+    try:
+        return min(timeit.repeat(pair, number=pairs, repeat=5)) / pairs * 1e6
+    finally:
+        connection._execute_prepared = sent
 
 
 def contenders() -> dict[str, Callable[[], None]]:
@@ -82,6 +129,13 @@ def contenders() -> dict[str, Callable[[], None]]:
         execute(connection, release, [name, token, name])
 
     floor = uncontended.floor_pairs(conn, 4545, "lock:bench-parts-floor")["lease"]
+    CLIENT_CPU.update(
+        {
+            "floor: lease upsert + DELETE": floor,
+            "our statements through the lock's connection layer": layer,
+            "ours: with dlock.lock(key)": uncontended.user_pair("lease", "bench-parts-cpu"),
+        }
+    )
     return {
         "floor: lease upsert + DELETE": floor,
         "our statements, raw": ours_raw,
@@ -106,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, found in series.items():
         ratio = statistics.median(b / a for a, b in zip(floor.rates, found.rates, strict=True))
         print(f"| {label} | {found.rate:,.0f} | {ratio:.2f}x |")
+    print()
+    print("| pair | client CPU µs per pair, per round |")
+    print("| --- | ---: |")
+    for label, cpu in client_cpu().items():
+        print(f"| {label} | {', '.join(f'{each:.0f}' for each in cpu)} |")
+    print()
+    print(f"The lock API without a database: {api_without_database():.1f} µs per pair.")
     return 0
 
 
