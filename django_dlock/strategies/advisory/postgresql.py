@@ -106,7 +106,9 @@ def idle_name(req: Request) -> bytes:
 
 
 def _configured_name(alias: str) -> bytes | None:
-    name = connections[alias].settings_dict.get("OPTIONS", {}).get("application_name")
+    # (the alias's settings: the dict every thread's wrapper shares, read
+    # without asgiref's per-thread look-up of a wrapper)
+    name = connections.settings[alias].get("OPTIONS", {}).get("application_name")
     return None if name is None else str(name).encode()
 
 
