@@ -104,6 +104,31 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
         time.sleep(0.02)
 
 
+def end_server_session(alias: str, backend_pid: int) -> None:
+    """What an operator or a fail-over does: the server of ``alias`` ends the
+    session ``backend_pid`` (PostgreSQL ``pg_terminate_backend``, MySQL/MariaDB
+    ``KILL``), waited for until the server no longer lists it.
+
+    Both return before the session has ended (MariaDB's killed thread still
+    holds its ``GET_LOCK`` locks for a moment); its locks are freed as it
+    ends, before the server stops listing it.
+    """
+    with connections[alias].cursor() as cur:
+        if connections[alias].vendor == "postgresql":
+            cur.execute("SELECT pg_terminate_backend(%s)", [backend_pid])
+            listed = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        else:
+            cur.execute("KILL %s", [backend_pid])
+            listed = "SELECT count(*) FROM information_schema.processlist WHERE id = %s"
+
+    def gone() -> bool:
+        with connections[alias].cursor() as cur:
+            cur.execute(listed, [backend_pid])
+            return cur.fetchone()[0] == 0
+
+    wait_until(gone, timeout=30)
+
+
 def pg_locks(key: Any, *, alias: str = "default", granted: bool | None = True) -> list[Any]:
     """(pid, mode) of the advisory locks on ``key`` (a key or a made one) in the
     test database of ``alias``; ``granted=None``: granted or waiting."""

@@ -29,7 +29,7 @@ from django_dlock import signals
 from django_dlock.operations import force_release
 from django_dlock.strategies.advisory import sessions
 
-from .helpers import wait_until
+from .helpers import end_server_session, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -147,11 +147,7 @@ class Losses:
 def _kill_session(lk, alias: str) -> None:
     session = sessions.find(alias, lk.token)
     assert session is not None
-    with connections[alias].cursor() as cur:
-        if connections[alias].vendor == "postgresql":
-            cur.execute("SELECT pg_terminate_backend(%s)", [session.backend_pid])
-        else:
-            cur.execute("KILL %s", [session.backend_pid])
+    end_server_session(alias, session.backend_pid)
 
 
 class Taker:
@@ -203,10 +199,6 @@ def _lose(lk, key, alias, strategy, state, taker, losses):
         # The session watcher notices the closed connection on its own, and
         # reports it (lost is set first, then the signal and the callback).
         wait_until(lambda: lk.lost and bool(losses.callbacks), timeout=30)
-        # The client sees its connection closed before the server has ended
-        # the killed session: MariaDB frees its GET_LOCK locks (and PostgreSQL
-        # its advisory locks) only as that session's thread ends.
-        wait_until(lambda: not lk.locked(), timeout=30)
         if state == "taken":
             taker.take(key, alias, strategy)
 

@@ -50,15 +50,21 @@ NO_QUEUE_RELEASE = (
 DELETE_RELEASE = "DELETE FROM django_dlock_lock WHERE name = %s AND token = %s"
 
 
-#: the pairs whose client CPU time is measured (filled by :func:`contenders`)
-CLIENT_CPU: dict[str, Callable[[], None]] = {}
+#: the contenders whose client CPU time is measured too
+CLIENT_CPU = (
+    "floor: lease upsert + DELETE",
+    "our statements through the lock's connection layer",
+    "ours: with dlock.lock(key)",
+)
 
 
-def client_cpu(pairs: int = 3000, rounds: int = 4) -> dict[str, list[float]]:
+def client_cpu(
+    contenders: dict[str, Callable[[], None]], pairs: int = 3000, rounds: int = 4
+) -> dict[str, list[float]]:
     """CPU time of the client process per pair, in µs, per round (rounds in turn)."""
-    found: dict[str, list[float]] = {label: [] for label in CLIENT_CPU}
+    found: dict[str, list[float]] = {label: [] for label in contenders}
     for _ in range(rounds):
-        for label, pair in CLIENT_CPU.items():
+        for label, pair in contenders.items():
             started = time.process_time()
             for _ in range(pairs):
                 pair()
@@ -129,13 +135,6 @@ def contenders() -> dict[str, Callable[[], None]]:
         execute(connection, release, [name, token, name])
 
     floor = uncontended.floor_pairs(conn, 4545, "lock:bench-parts-floor")["lease"]
-    CLIENT_CPU.update(
-        {
-            "floor: lease upsert + DELETE": floor,
-            "our statements through the lock's connection layer": layer,
-            "ours: with dlock.lock(key)": uncontended.user_pair("lease", "bench-parts-cpu"),
-        }
-    )
     return {
         "floor: lease upsert + DELETE": floor,
         "our statements, raw": ours_raw,
@@ -153,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_django()
     ensure_databases()
-    series = interleaved(contenders(), args.rounds, args.seconds)
+    pairs = contenders()
+    series = interleaved(pairs, args.rounds, args.seconds)
     floor = next(iter(series.values()))
     print("| pair | pairs/s | vs the floor |")
     print("| --- | ---: | ---: |")
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| pair | client CPU µs per pair, per round |")
     print("| --- | ---: |")
-    for label, cpu in client_cpu().items():
+    for label, cpu in client_cpu({label: pairs[label] for label in CLIENT_CPU}).items():
         print(f"| {label} | {', '.join(f'{each:.0f}' for each in cpu)} |")
     print()
     print(f"The lock API without a database: {api_without_database():.1f} µs per pair.")

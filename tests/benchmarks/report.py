@@ -231,8 +231,7 @@ def scaling_table(points: list[Point]) -> list[str]:
         "processes are the sweet spot: one client mostly waits for an idle core to wake at "
         "every round trip; beyond two, clients and server backends share the two cores.",
         "",
-        "| strategy | keys | " + " | ".join(f"N = {n}" for n in counts) + " |",
-        "| --- | --- | " + " | ".join("---:" for _ in counts) + " |",
+        *_by_processes_header("keys", counts),
     ]
     by = {(p.strategy, p.mode, p.processes): p for p in points}
     for strategy, mode in dict.fromkeys((p.strategy, p.mode) for p in points):
@@ -261,6 +260,14 @@ def scaling_table(points: list[Point]) -> list[str]:
     return lines
 
 
+def _by_processes_header(second: str, counts: list[int]) -> list[str]:
+    """The header of a table with a row per strategy and ``second``, a column per N."""
+    return [
+        f"| strategy | {second} | " + " | ".join(f"N = {n}" for n in counts) + " |",
+        "| --- | --- | " + " | ".join("---:" for _ in counts) + " |",
+    ]
+
+
 def cpu_table(points: list[Point]) -> list[str]:
     """What one pair costs the cores, distinct keys: client and server CPU, ours / floor."""
     from statistics import median
@@ -277,8 +284,7 @@ def cpu_table(points: list[Point]) -> list[str]:
         "compete: once the cores are busy, the pairs per second are about 2 s divided by "
         "the sum.",
         "",
-        "| strategy | CPU | " + " | ".join(f"N = {n}" for n in counts) + " |",
-        "| --- | --- | " + " | ".join("---:" for _ in counts) + " |",
+        *_by_processes_header("CPU", counts),
     ]
     by = {(p.strategy, p.processes): p for p in mine}
     for strategy in dict.fromkeys(p.strategy for p in mine):

@@ -27,7 +27,7 @@ from django_dlock.strategies.advisory.mysql import lock_name
 from django_dlock.strategies.connection import close_private_connections
 
 from ..conftest import DB_IDS
-from ..helpers import in_thread, pg_locks, wait_until
+from ..helpers import end_server_session, in_thread, pg_locks, wait_until
 
 
 @dataclass(frozen=True)
@@ -164,22 +164,7 @@ class Cell:
 
     def end_session(self, backend_pid: int) -> None:
         """What an operator or a fail-over does: the server ends the holder's session."""
-        with connections[self.alias].cursor() as cur:
-            if self.vendor == "postgresql":
-                cur.execute("SELECT pg_terminate_backend(%s)", [backend_pid])
-                listed = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
-            else:
-                cur.execute("KILL %s", [backend_pid])
-                listed = "SELECT count(*) FROM information_schema.processlist WHERE id = %s"
-
-        # Both return before the session has ended; its locks are freed as it
-        # ends, before the server stops listing it.
-        def gone() -> bool:
-            with connections[self.alias].cursor() as cur:
-                cur.execute(listed, [backend_pid])
-                return cur.fetchone()[0] == 0
-
-        wait_until(gone, timeout=30)
+        end_server_session(self.alias, backend_pid)
 
     def release_behind_our_back(self, session: Any) -> None:
         """Someone frees every lock of the holder's session, on that session."""
