@@ -75,7 +75,7 @@ def test_commands_say_run_migrate(unmigrated, command):
     assert raised.value.returncode == 1
 
 
-#: (what migration 0007 added, renamed away, and back)
+#: (what migrations 0007 and 0009 added, renamed away, and back)
 _BEHIND = {
     "column": (
         "ALTER TABLE django_dlock_lock RENAME COLUMN queued TO queued_away",
@@ -85,12 +85,20 @@ _BEHIND = {
         "ALTER FUNCTION django_dlock_queued(text, bigint) RENAME TO dlock_queued_away",
         "ALTER FUNCTION dlock_queued_away(text, bigint) RENAME TO django_dlock_queued",
     ),
+    "fence function": (
+        "ALTER FUNCTION django_dlock_next_fence() RENAME TO dlock_next_fence_away",
+        "ALTER FUNCTION dlock_next_fence_away() RENAME TO django_dlock_next_fence",
+    ),
+    "ahead function": (
+        "ALTER FUNCTION django_dlock_ahead(text, bigint) RENAME TO dlock_ahead_away",
+        "ALTER FUNCTION dlock_ahead_away(text, bigint) RENAME TO django_dlock_ahead",
+    ),
 }
 
 
 @pytest.mark.parametrize("missing", sorted(_BEHIND))
 def test_a_database_migrated_to_an_earlier_version_says_run_migrate(pg, missing):
-    """PostgreSQL behind migration 0007 (no ``queued`` column, or no function):
+    """PostgreSQL behind migration 0007 or 0009 (no ``queued`` column, or a function missing):
     a lock says to migrate, not "column (function) does not exist"."""
     away, back = _BEHIND[missing]
     with connections[pg].cursor() as cur:

@@ -42,22 +42,18 @@ flushed) before the number is returned.
 from __future__ import annotations
 
 from django_dlock.strategies.connection import fetch_one, unwatched, with_reconnect
-from django_dlock.tables import FENCE_SEQUENCE
 
 #: bits below the timeline in a fencing number (numbers per timeline: 2**44)
 TIMELINE_SHIFT = 44
 
-_TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
-
-#: a SQL expression (no parameters): the next fencing number
-NEXT_FENCE = (
-    "(SELECT CASE WHEN n.v >= n.epoch THEN n.v "
-    f"WHEN has_sequence_privilege('{FENCE_SEQUENCE}', 'UPDATE') "
-    f"THEN setval('{FENCE_SEQUENCE}', n.epoch + n.v) "
-    "ELSE n.epoch + n.v END "
-    f"FROM (SELECT nextval('{FENCE_SEQUENCE}') AS v, "
-    f"({_TIMELINE} - 1) << {TIMELINE_SHIFT} AS epoch) AS n)"
-)
+#: a SQL expression (no parameters): the next fencing number. A PL/pgSQL
+#: function (migration 0009) that takes ``nextval``, reads the timeline from
+#: ``pg_walfile_name(pg_current_wal_lsn())`` and raises the sequence when the
+#: number is below the timeline's epoch ``(timeline - 1) << TIMELINE_SHIFT``
+#: (only ``has_sequence_privilege(..., 'UPDATE')``; else the epoch is added).
+#: As a function, not an expression in each statement: PostgreSQL set the
+#: expression's subquery up at every execution.
+NEXT_FENCE = "django_dlock_next_fence()"
 
 #: the next fencing number in a transaction of its own, committed and flushed before
 #: it is returned: an xid makes the commit write a record, and synchronous_commit

@@ -136,6 +136,12 @@ PG_WAKE_HEAD = "django_dlock_wake_head({name})"
 #: ``{name}``? A function (migration 0007) with a snapshot of its own, like
 #: the wake-up's.
 PG_QUEUED = "django_dlock_queued({name}, {besides})"
+#: PostgreSQL: is a live ticket below ``{ticket}`` waiting for ``{name}``? A
+#: function (migration 0009) that reads with the caller's snapshot: the
+#: question of :func:`none_ahead_sql`, which an acquire asks only when the
+#: key's row is flagged. As a subquery, PostgreSQL would set it up (open the
+#: waiter table and its index) at every execution, also when not asked.
+PG_AHEAD = "django_dlock_ahead({name}, {ticket})"
 
 # PostgreSQL: a ticket is inserted in the statement that sets ``queued`` on
 # the key's row (creating a free row if there is none), so it waits for a

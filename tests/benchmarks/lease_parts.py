@@ -42,6 +42,25 @@ WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
    OR l.expire_at <= statement_timestamp()
 RETURNING fence
 """
+
+
+#: the acquire with its "live ticket ahead?" check written as a subquery (as
+#: it was before the function ``django_dlock_ahead``), fence and durability
+#: as ours
+def subquery_acquire() -> str:
+    from django_dlock.strategies import queue
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
+
+    call = "NOT " + queue.PG_AHEAD.format(name="l.name", ticket="%s")
+    subquery = (
+        "NOT EXISTS (SELECT 1 FROM django_dlock_waiter w WHERE w.name = l.name "
+        "AND w.expire_at > statement_timestamp() AND w.id < %s)"
+    )
+    if call not in PG_ACQUIRE_SQL[True]:
+        raise RuntimeError("the acquire no longer asks django_dlock_ahead")
+    return PG_ACQUIRE_SQL[True].replace(call, subquery)
+
+
 #: the release without the wake-up of the queue's head
 NO_QUEUE_RELEASE = (
     "UPDATE django_dlock_lock SET token = '', expire_at = statement_timestamp() "

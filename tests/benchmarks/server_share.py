@@ -5,7 +5,9 @@ PostgreSQL's own benchmark client, ``pgbench`` (C, prepared statements,
 keys, so that the server's work decides the rate and no Python client's
 does: the floor's two statements
 (:data:`tests.benchmarks.uncontended.FLOOR_LEASE_ACQUIRE` and its DELETE),
-ours (the statements the lock sends), ours with a plain ``nextval`` for the
+ours (the statements the lock sends), ours with the acquire's "live ticket
+ahead?" check written as a subquery instead of the function
+``django_dlock_ahead``, ours with a plain ``nextval`` for the
 fencing number (without the timeline epoch that keeps numbers increasing
 across a fail-over), ours without their queue parts
 (:data:`tests.benchmarks.lease_parts.NO_QUEUE_ACQUIRE` and its release), and
@@ -72,6 +74,10 @@ def scripts() -> dict[str, str]:
         "floor: lease upsert + DELETE": script(uncontended.FLOOR_LEASE_ACQUIRE, [NAME, TOKEN])
         + script(uncontended.FLOOR_LEASE_RELEASE, [NAME, TOKEN]),
         "our statements": script(PG_ACQUIRE_SQL[True], [*acquire, newcomer, newcomer])
+        + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
+        "our statements, the queue check a subquery (not a function)": script(
+            lease_parts.subquery_acquire(), [*acquire, newcomer, newcomer]
+        )
         + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
         "our statements, the fencing number without its timeline epoch": script(
             _PG_ACQUIRE.format(new_fence="nextval('django_dlock_fence')", returning=""),

