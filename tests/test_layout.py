@@ -3,6 +3,7 @@ and database threads close what they opened."""
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import pytest
@@ -138,4 +139,9 @@ def test_the_models_and_the_sql_take_their_table_names_from_one_module():
     assert models.FenceFloor._meta.db_table == tables.FENCE_FLOOR_TABLE
     assert lease.TABLE == row.TABLE == queue.LOCKS == cleanup.TABLE == tables.LOCK_TABLE
     assert lease.WAITERS == queue.WAITERS == cleanup.WAITERS == tables.WAITER_TABLE
-    assert f"nextval('{tables.FENCE_SEQUENCE}')" in fence.NEXT_FENCE
+    # the functions of migration 0009 (a migration keeps its SQL as written)
+    functions = importlib.import_module("django_dlock.migrations.0009_acquire_functions")
+    ahead, next_fence = functions.CREATE
+    assert fence.NEXT_FENCE == "django_dlock_next_fence()"
+    assert f"nextval('{tables.FENCE_SEQUENCE}')" in next_fence
+    assert f"FROM {tables.WAITER_TABLE} w" in ahead

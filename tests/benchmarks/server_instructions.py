@@ -1,0 +1,276 @@
+"""``python -m tests.benchmarks.server_instructions``: the server's instructions per lease pair.
+
+What a PostgreSQL backend executes for one uncontended acquire + release,
+counted by callgrind: repeatable where the rates of
+:mod:`tests.benchmarks.server_share` move with the machine. A throw-away
+cluster (``initdb`` in a temporary directory, a free port) runs under
+``valgrind --tool=callgrind --trace-children=yes``, which writes one count
+per backend when it exits; it gets the benchmark database's schema
+(``pg_dump --schema-only``: tables, sequence, functions). Each contender
+runs its statements prepared on a connection of its own, once with a few
+pairs and once with many more; the difference divided by the extra pairs is
+one pair's work in the backend (parse of the protocol messages, plan cache,
+executor, commit; not the WAL writer's or the checkpointer's).
+
+Contenders: the floor (:data:`tests.benchmarks.uncontended.FLOOR_LEASE_ACQUIRE`
+and its DELETE), ours (the statements the lock sends, durable), ours in the
+form they had before migration 0009 (the "live ticket ahead?" check and the
+fencing number as subqueries, :func:`tests.benchmarks.lease_parts.subquery_acquire`),
+ours without the fencing number's timeline epoch, without the queue parts
+(:data:`tests.benchmarks.lease_parts.NO_QUEUE_ACQUIRE` and its release), and
+that with the floor's DELETE as the release.
+
+Needs valgrind and PostgreSQL's server binaries (``initdb``, ``pg_dump``);
+about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .common import ensure_databases, setup_django
+
+FEW, MANY = 200, 1700
+
+#: contender -> (acquire SQL, its parameters, release SQL, its parameters)
+Contender = tuple[str, Callable[[str, str], list[Any]], str, Callable[[str, str], list[Any]]]
+
+
+def contenders() -> dict[str, Contender]:
+    from django_dlock.strategies import queue
+    from django_dlock.strategies.fence import NEXT_FENCE
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL, PG_RELEASE_SQL
+
+    from . import lease_parts, uncontended
+
+    def ours(name: str, token: str) -> list[Any]:
+        return [name, token, "", 60.0, queue.NEWCOMER, queue.NEWCOMER]
+
+    def release(name: str, token: str) -> list[Any]:
+        return [name, token, name]
+
+    def plain(name: str, token: str) -> list[Any]:
+        return [name, token]
+
+    def no_queue(name: str, token: str) -> list[Any]:
+        return [name, token, "", 60.0]
+
+    acquire, ours_release = PG_ACQUIRE_SQL[True], PG_RELEASE_SQL[True]
+    before = lease_parts.subquery_acquire()
+    no_epoch = acquire.replace(NEXT_FENCE, "nextval('django_dlock_fence')")
+    return {
+        "floor: lease upsert + DELETE": (
+            uncontended.FLOOR_LEASE_ACQUIRE,
+            plain,
+            uncontended.FLOOR_LEASE_RELEASE,
+            plain,
+        ),
+        "our statements": (acquire, ours, ours_release, release),
+        "ours before migration 0009 (subqueries, not functions)": (
+            before,
+            ours,
+            ours_release,
+            release,
+        ),
+        "ours, the fencing number without its timeline epoch": (
+            no_epoch,
+            ours,
+            ours_release,
+            release,
+        ),
+        "ours without the queue parts": (
+            lease_parts.NO_QUEUE_ACQUIRE,
+            no_queue,
+            lease_parts.NO_QUEUE_RELEASE,
+            plain,
+        ),
+        "the same, the release a DELETE": (
+            lease_parts.NO_QUEUE_ACQUIRE,
+            no_queue,
+            lease_parts.DELETE_RELEASE,
+            plain,
+        ),
+    }
+
+
+def _bindir() -> Path:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    initdb = found[-1] if found else shutil.which("initdb")
+    if initdb is None:
+        raise SystemExit("initdb is not installed (it comes with PostgreSQL's server packages)")
+    return Path(initdb).parent
+
+
+class CountedServer:
+    """A throw-away PostgreSQL cluster whose every process runs under callgrind."""
+
+    def __init__(self) -> None:
+        if shutil.which("valgrind") is None:
+            raise SystemExit("valgrind is not installed")
+        self.bindir = _bindir()
+        self.root = Path(tempfile.mkdtemp(prefix="dlock-pg-counted-"))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        # PostgreSQL refuses to run as root
+        self.prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        if self.prefix:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        data = self.root / "data"
+        subprocess.run(
+            [*self.prefix, str(self.bindir / "initdb"), "-D", str(data), "-A", "trust"]
+            + ["-U", "postgres", "--no-sync"],
+            check=True,
+            capture_output=True,
+        )
+        self.process = subprocess.Popen(
+            [
+                *self.prefix,
+                "valgrind",
+                "--tool=callgrind",
+                "--trace-children=yes",
+                f"--callgrind-out-file={self.root}/counts.%p",
+                str(self.bindir / "postgres"),
+                "-D",
+                str(data),
+                "-p",
+                str(self.port),
+                "-k",
+                str(self.root),
+                "-c",
+                "listen_addresses=127.0.0.1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                self.connect("postgres").close()
+                return
+            except Exception:  # noqa: BLE001 (starting up: refused, or not accepting yet)
+                time.sleep(0.5)
+        raise RuntimeError("the counted PostgreSQL server did not start")
+
+    def connect(self, dbname: str) -> Any:
+        import psycopg
+
+        return psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname=dbname, autocommit=True
+        )
+
+    def load_schema(self, source: dict[str, Any]) -> None:
+        """The schema of the database ``source`` (Django settings) in database ``bench``."""
+        with self.connect("postgres") as conn:
+            conn.execute("CREATE DATABASE bench")
+        dumped = subprocess.run(
+            [
+                str(self.bindir / "pg_dump"),
+                "--schema-only",
+                "--no-owner",
+                f"--host={source.get('HOST') or 'localhost'}",
+                f"--port={source.get('PORT') or 5432}",
+                f"--username={source.get('USER') or 'postgres'}",
+                source["NAME"],
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PGPASSWORD": str(source.get("PASSWORD") or "")},
+        ).stdout
+        # (through psql: a dump holds psql's meta-commands)
+        subprocess.run(
+            [str(self.bindir / "psql"), "--quiet", "--set=ON_ERROR_STOP=1"]
+            + [f"--host={self.root}", f"--port={self.port}", "--username=postgres", "bench"],
+            input=dumped,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+
+    def backend_instructions(self, pid: int) -> int:
+        """The instructions of backend ``pid`` (its count, written when it exits)."""
+        path = self.root / f"counts.{pid}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if path.exists():
+                found = re.search(r"^totals: (\d+)", path.read_text(), re.MULTILINE)
+                if found:
+                    return int(found.group(1))
+            time.sleep(0.1)
+        raise RuntimeError(f"no count for backend {pid}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            subprocess.run(
+                [*self.prefix, str(self.bindir / "pg_ctl"), "-D", str(self.root / "data")]
+                + ["-m", "immediate", "-w", "stop"],
+                capture_output=True,
+                check=False,
+            )
+            self.process.wait(60)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def instructions(server: CountedServer, contender: Contender, pairs: int, label: str) -> int:
+    """Instructions of a backend that ran ``pairs`` pairs of ``contender``."""
+    acquire, acquire_params, release, release_params = contender
+    name, token = f"lock:bench-server-ir-{label}", "bench-server-ir"
+    conn = server.connect("bench")
+    pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+    for _ in range(pairs):
+        if conn.execute(acquire, acquire_params(name, token), prepare=True).fetchone() is None:
+            raise RuntimeError(f"{label}: uncontended acquire failed")
+        conn.execute(release, release_params(name, token), prepare=True)
+    conn.close()
+    return server.backend_instructions(pid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.server_instructions")
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args(argv)
+    setup_django()
+    ensure_databases()
+    from django.db import connections
+
+    server = CountedServer()
+    found: dict[str, list[float]] = {}
+    try:
+        server.start()
+        server.load_schema(connections["default"].settings_dict)
+        for _ in range(args.runs):
+            for index, (label, contender) in enumerate(contenders().items()):
+                few = instructions(server, contender, FEW, str(index))
+                many = instructions(server, contender, MANY, str(index))
+                found.setdefault(label, []).append((many - few) / (MANY - FEW))
+    finally:
+        server.stop()
+    floor = statistics.median(next(iter(found.values())))
+    print(f"Server instructions per uncontended lease pair (callgrind, {args.runs} runs)")
+    print()
+    print("| statements | instructions per pair | vs the floor |")
+    print("| --- | ---: | ---: |")
+    for label, counts in found.items():
+        value = statistics.median(counts)
+        print(f"| {label} | {value / 1000:,.1f}k | {value / floor:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
