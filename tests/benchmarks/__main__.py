@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("scaling: N = 1 .. 16 processes ...", file=sys.stderr)
         counts = (1, 2, 4) if args.quick else scaling.COUNTS
-        points = scaling.run(rounds=1 if args.quick else 3, seconds=args.seconds, counts=counts)
+        points = scaling.run(rounds=1 if args.quick else 5, seconds=args.seconds, counts=counts)
         sections["6. Scaling: N processes, distinct keys and one hot key"] = [
             "![scaling chart](img/scaling.png)",
             "",

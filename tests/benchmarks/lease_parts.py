@@ -44,11 +44,25 @@ RETURNING fence
 """
 
 
-#: the acquire with its "live ticket ahead?" check written as a subquery (as
-#: it was before the function ``django_dlock_ahead``), fence and durability
-#: as ours
+#: the fencing number as one expression, its subquery in the statement (the
+#: logic of the function ``django_dlock_next_fence``)
+SUBQUERY_FENCE = (
+    "(SELECT CASE WHEN n.v >= n.epoch THEN n.v "
+    "WHEN has_sequence_privilege('django_dlock_fence', 'UPDATE') "
+    "THEN setval('django_dlock_fence', n.epoch + n.v) "
+    "ELSE n.epoch + n.v END "
+    "FROM (SELECT nextval('django_dlock_fence') AS v, "
+    "(('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1) "
+    "<< 44 AS epoch) AS n)"
+)
+
+
 def subquery_acquire() -> str:
+    """Our acquire in the form it had before migration 0009: its "live ticket
+    ahead?" check and its fencing number as subqueries, not functions (the
+    same answers; fence and durability as ours)."""
     from django_dlock.strategies import queue
+    from django_dlock.strategies.fence import NEXT_FENCE
     from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
 
     call = "NOT " + queue.PG_AHEAD.format(name="l.name", ticket="%s")
@@ -56,9 +70,9 @@ def subquery_acquire() -> str:
         "NOT EXISTS (SELECT 1 FROM django_dlock_waiter w WHERE w.name = l.name "
         "AND w.expire_at > statement_timestamp() AND w.id < %s)"
     )
-    if call not in PG_ACQUIRE_SQL[True]:
-        raise RuntimeError("the acquire no longer asks django_dlock_ahead")
-    return PG_ACQUIRE_SQL[True].replace(call, subquery)
+    if call not in PG_ACQUIRE_SQL[True] or NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
+        raise RuntimeError("the acquire no longer calls django_dlock_ahead and next_fence")
+    return PG_ACQUIRE_SQL[True].replace(call, subquery).replace(NEXT_FENCE, SUBQUERY_FENCE)
 
 
 #: the release without the wake-up of the queue's head

@@ -213,10 +213,11 @@ WHY_MISSED = [
     "  clients and the server together (the CPU table of section 6). Ours costs",
     "  more on both sides: the client's is the lock API's Python, cold in the",
     "  cache after every round trip; the server's is partly the statements",
-    "  themselves (`python -m tests.benchmarks.server_share`: pgbench, a C",
-    "  client, 16 clients, ran our two statements at 0.84-0.88x the floor's",
-    "  rate in three runs; section 12). The rows move by 0.1-0.2 between runs",
-    "  at N = 8 and 16.",
+    "  themselves, counted by callgrind in a PostgreSQL backend (`python -m",
+    "  tests.benchmarks.server_instructions`): 265.8k instructions per pair",
+    "  against the floor's 193.1k (292.7k before migration 0009; section 12).",
+    "  The rows move by 0.1-0.2 between runs at N = 8 and 16: per round, the",
+    "  same code's ratio at N = 16 ranged from 0.67x to 1.04x in one afternoon.",
 ]
 
 
@@ -474,6 +475,12 @@ def markdown(sections: dict[str, list[str]], meta: dict[str, Any]) -> str:
         "*ours* is the lock written the way users write it, `with dlock.lock(key, ...)`",
         "with a new lock per call (inside `transaction.atomic` for `advisory_xact` and",
         "`row`), and separately with one `Lock` object reused.",
+        "",
+        "The benchmark machine's PostgreSQL runs with autovacuum off. A user's server",
+        "vacuums the lock table while locks are taken; here each benchmark starts by",
+        "rewriting the lock tables to their live rows (`VACUUM FULL`), and the scaling",
+        "section vacuums them before every window, outside it, so that no window starts",
+        "on the dead rows the ones before it left.",
         "",
         f"Run: {meta['when']} on {meta['machine']}; {meta['versions']}.",
         "",

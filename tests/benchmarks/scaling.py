@@ -14,6 +14,10 @@ Ours and the floor alternate round by round (A B A B …).
   ``pg_advisory_xact_lock``, ``SELECT … FOR UPDATE``); the lease floor retries
   its upsert after 1 ms.
 
+Before each window the lock tables are vacuumed (outside it: see
+:func:`tests.benchmarks.common.vacuum`), so that no window starts on the dead
+rows the ones before it left.
+
 Each round also measures what a pair costs the machine's cores: each
 client's CPU time over the window (``time.process_time``) and, when the
 server runs on this machine, the CPU time of every PostgreSQL process
@@ -30,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
+
+from .common import raw_connection, vacuum
 
 STRATEGIES = ("advisory", "lease", "advisory_xact", "row")
 COUNTS = (1, 2, 4, 8, 16)
@@ -181,6 +187,8 @@ def run(rounds: int = 3, seconds: float = 1.5, counts: tuple[int, ...] = COUNTS)
         proc.start()
     for _ in procs:
         outbox.get(timeout=300)
+    conn = raw_connection()
+    vacuum(conn, full=True)
     points: list[Point] = []
     try:
         for strategy in STRATEGIES:
@@ -192,6 +200,7 @@ def run(rounds: int = 3, seconds: float = 1.5, counts: tuple[int, ...] = COUNTS)
                             ("ours", point.ours, point.ours_cpu),
                             ("floor", point.floor, point.floor_cpu),
                         ):
+                            vacuum(conn)
                             start_at = time.monotonic() + 0.3
                             for inbox in inboxes[:n]:
                                 inbox.put((who, strategy, mode, start_at, seconds))
@@ -211,6 +220,7 @@ def run(rounds: int = 3, seconds: float = 1.5, counts: tuple[int, ...] = COUNTS)
                             cpus.append((client, server))
                     points.append(point)
     finally:
+        conn.close()
         for inbox in inboxes:
             inbox.put(None)
         for proc in procs:

@@ -5,9 +5,9 @@ PostgreSQL's own benchmark client, ``pgbench`` (C, prepared statements,
 keys, so that the server's work decides the rate and no Python client's
 does: the floor's two statements
 (:data:`tests.benchmarks.uncontended.FLOOR_LEASE_ACQUIRE` and its DELETE),
-ours (the statements the lock sends), ours with the acquire's "live ticket
-ahead?" check written as a subquery instead of the function
-``django_dlock_ahead``, ours with a plain ``nextval`` for the
+ours (the statements the lock sends), ours in the form they had before
+migration 0009 (the "live ticket ahead?" check and the fencing number as
+subqueries, not functions), ours with a plain ``nextval`` for the
 fencing number (without the timeline epoch that keeps numbers increasing
 across a fail-over), ours without their queue parts
 (:data:`tests.benchmarks.lease_parts.NO_QUEUE_ACQUIRE` and its release), and
@@ -75,7 +75,7 @@ def scripts() -> dict[str, str]:
         + script(uncontended.FLOOR_LEASE_RELEASE, [NAME, TOKEN]),
         "our statements": script(PG_ACQUIRE_SQL[True], [*acquire, newcomer, newcomer])
         + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
-        "our statements, the queue check a subquery (not a function)": script(
+        "ours before migration 0009 (subqueries, not functions)": script(
             lease_parts.subquery_acquire(), [*acquire, newcomer, newcomer]
         )
         + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
