@@ -144,4 +144,5 @@ def test_the_models_and_the_sql_take_their_table_names_from_one_module():
     ahead, next_fence = functions.CREATE
     assert fence.NEXT_FENCE == "django_dlock_next_fence()"
     assert f"nextval('{tables.FENCE_SEQUENCE}')" in next_fence
+    assert f"<< {fence.TIMELINE_SHIFT};" in next_fence
     assert f"FROM {tables.WAITER_TABLE} w" in ahead
