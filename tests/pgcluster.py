@@ -35,16 +35,17 @@ import pytest
 def available() -> str | None:
     """Why private clusters cannot run here (``None``: they can)."""
     try:
-        bindir = _bindir()
+        found = bindir()
     except RuntimeError as exc:
         return str(exc)
     for tool in ("initdb", "pg_ctl", "pg_basebackup"):
-        if not (bindir / tool).exists():
-            return f"{tool} not found in {bindir}: install the PostgreSQL server package"
+        if not (found / tool).exists():
+            return f"{tool} not found in {found}: install the PostgreSQL server package"
     return None
 
 
-def _bindir() -> Path:
+def bindir() -> Path:
+    """PostgreSQL's server binaries (initdb, pg_ctl, pg_dump, pgbench, ...)."""
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     if found:
         return Path(found[-1]).parent
@@ -54,7 +55,7 @@ def _bindir() -> Path:
     return Path(initdb).parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -64,8 +65,8 @@ class PrivateCluster:
     def __init__(self, **settings: str) -> None:
         #: extra server settings (``-c name=value``), e.g. wal_writer_delay
         self.settings = settings
-        self.bindir = _bindir()
-        self.port = _free_port()
+        self.bindir = bindir()
+        self.port = free_port()
         self.root = Path(tempfile.mkdtemp(prefix="dlock-pg-"))
         self.data = self.root / "data"
         self.log = self.root / "log"

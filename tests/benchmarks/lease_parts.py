@@ -61,15 +61,14 @@ def subquery_acquire() -> str:
     """Our acquire in the form it had before migration 0009: its "live ticket
     ahead?" check and its fencing number as subqueries, not functions (the
     same answers; fence and durability as ours)."""
+    from django.db import connections
+
     from django_dlock.strategies import queue
     from django_dlock.strategies.fence import NEXT_FENCE
     from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
 
     call = "NOT " + queue.PG_AHEAD.format(name="l.name", ticket="%s")
-    subquery = (
-        "NOT EXISTS (SELECT 1 FROM django_dlock_waiter w WHERE w.name = l.name "
-        "AND w.expire_at > statement_timestamp() AND w.id < %s)"
-    )
+    subquery = queue.none_ahead_sql(connections["default"], "l.name")
     if call not in PG_ACQUIRE_SQL[True] or NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
         raise RuntimeError("the acquire no longer calls django_dlock_ahead and next_fence")
     return PG_ACQUIRE_SQL[True].replace(call, subquery).replace(NEXT_FENCE, SUBQUERY_FENCE)

@@ -27,11 +27,9 @@ about two minutes.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -40,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..pgcluster import bindir, free_port
 from .common import ensure_databases, setup_django
 
 FEW, MANY = 200, 1700
@@ -105,25 +104,15 @@ def contenders() -> dict[str, Contender]:
     }
 
 
-def _bindir() -> Path:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    initdb = found[-1] if found else shutil.which("initdb")
-    if initdb is None:
-        raise SystemExit("initdb is not installed (it comes with PostgreSQL's server packages)")
-    return Path(initdb).parent
-
-
 class CountedServer:
     """A throw-away PostgreSQL cluster whose every process runs under callgrind."""
 
     def __init__(self) -> None:
         if shutil.which("valgrind") is None:
             raise SystemExit("valgrind is not installed")
-        self.bindir = _bindir()
+        self.bindir = bindir()
         self.root = Path(tempfile.mkdtemp(prefix="dlock-pg-counted-"))
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
+        self.port = free_port()
         # PostgreSQL refuses to run as root
         self.prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         if self.prefix:

@@ -22,14 +22,13 @@ pgbench comes with PostgreSQL (``pg_config --bindir``; Debian keeps it in
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import tempfile
 
+from ..pgcluster import bindir
 from .common import ensure_databases, setup_django
 
 #: a key of its own per pgbench client (pgbench reads ``:name`` as a variable,
@@ -39,12 +38,10 @@ TOKEN = "'pgbench'"
 
 
 def _pgbench() -> str:
-    found = shutil.which("pgbench") or next(
-        iter(sorted(glob.glob("/usr/lib/postgresql/*/bin/pgbench"), reverse=True)), None
-    )
-    if found is None:
+    found = bindir() / "pgbench"
+    if not found.exists():
         raise SystemExit("pgbench is not installed (it comes with PostgreSQL's server packages)")
-    return found
+    return str(found)
 
 
 def script(sql: str, values: list[str]) -> str:
