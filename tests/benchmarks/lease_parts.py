@@ -18,6 +18,17 @@ for the floor, the statements through the connection layer and ours; and
 the lock API above the statements timed without a database, its statements
 answered at once by a stand-in for the function that sends them (warm in
 the cache: the least the API can cost).
+
+Last, what the client's work between two round trips costs on this machine.
+Among the interleaved contenders, our statements through the connection
+layer with a busy wait of 10, 20 or 30 µs after each answer (client work
+that touches no memory, the same on every machine): what a pair's rate
+loses to that many µs of client time between an answer and the next
+statement. And ours' own two such gaps, timed in the same loop as they run
+there (their cache cold after the server's turn): from the acquire's answer
+to the release's statement, and from the release's answer to the next
+acquire's statement (the next lock built, its options read, its walk down
+to the statement).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import statistics
 import time
 import timeit
 from collections.abc import Callable
+from typing import Any
 
 from .common import ensure_databases, interleaved, raw_connection, setup_django
 
@@ -126,6 +138,54 @@ def api_without_database(pairs: int = 20000) -> float:
         connection._execute_prepared = sent
 
 
+#: µs of client work after each statement's answer, for the gap contenders
+GAPS = (10, 20, 30)
+
+
+def _busy(us: float) -> None:
+    """Spin for ``us`` µs (client work that touches no memory)."""
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def client_gaps(pairs: int = 3000) -> tuple[float, float]:
+    """Median µs between an answer and the next statement of ``with dlock.lock(key)``,
+    in a loop of pairs: (acquire's answer -> release sent, release's answer -> the
+    next acquire sent)."""
+    from django_dlock.strategies import connection
+
+    from . import uncontended
+
+    pair = uncontended.user_pair("lease", "bench-parts-gaps")
+    sent = connection._execute_prepared
+    marks: list[float] = []
+    clock = time.perf_counter
+
+    def timed(conn: Any, sql: str, params: Any) -> tuple[Any, int]:
+        marks.append(clock())
+        try:
+            return sent(conn, sql, params)
+        finally:
+            marks.append(clock())
+
+    connection._execute_prepared = timed  # type: ignore[assignment]
+    try:
+        for _ in range(200):  # warm
+            pair()
+        marks.clear()
+        for _ in range(pairs):
+            pair()
+    finally:
+        connection._execute_prepared = sent
+    if len(marks) != 4 * pairs:
+        raise RuntimeError("a pair of ours sent other than two statements")
+    # per pair: acquire sent, answered, release sent, answered
+    between = [marks[i + 2] - marks[i + 1] for i in range(0, len(marks), 4)]
+    before = [marks[i + 4] - marks[i + 3] for i in range(0, len(marks) - 4, 4)]
+    return statistics.median(between) * 1e6, statistics.median(before) * 1e6
+
+
 def contenders() -> dict[str, Callable[[], None]]:
     from django.db import connections
 
@@ -166,6 +226,20 @@ def contenders() -> dict[str, Callable[[], None]]:
             raise RuntimeError("uncontended acquire failed")
         execute(connection, release, [name, token, name])
 
+    def layer_with_gaps(us: int) -> Callable[[], None]:
+        name, token = f"lock:bench-parts-gap-{us}", "parts-gap"
+        connection = connections["default"]
+        params = [name, token, "", 60.0, newcomer, newcomer]
+
+        def pair() -> None:
+            if execute(connection, acquire, params, True)[0] is None:
+                raise RuntimeError("uncontended acquire failed")
+            _busy(us)
+            execute(connection, release, [name, token, name])
+            _busy(us)
+
+        return pair
+
     floor = uncontended.floor_pairs(conn, 4545, "lock:bench-parts-floor")["lease"]
     return {
         "floor: lease upsert + DELETE": floor,
@@ -173,6 +247,10 @@ def contenders() -> dict[str, Callable[[], None]]:
         "our statements without the queue parts": no_queue,
         "the same, the release a DELETE": no_queue_delete,
         "our statements through the lock's connection layer": layer,
+        **{
+            f"the same, {us} µs of client work after each answer": layer_with_gaps(us)
+            for us in GAPS
+        },
         "ours: with dlock.lock(key)": uncontended.user_pair("lease", "bench-parts-api"),
     }
 
@@ -199,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {', '.join(f'{each:.0f}' for each in cpu)} |")
     print()
     print(f"The lock API without a database: {api_without_database():.1f} µs per pair.")
+    between, before = client_gaps()
+    print(
+        f"Ours between a pair's round trips (median, in the loop): {between:.1f} µs from "
+        f"the acquire's answer to the release; {before:.1f} µs from the release's answer "
+        "to the next acquire."
+    )
     return 0
 
 
