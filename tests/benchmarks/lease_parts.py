@@ -19,6 +19,10 @@ the lock API above the statements timed without a database, its statements
 answered at once by a stand-in for the function that sends them (warm in
 the cache: the least the API can cost).
 
+A lean front (:func:`lean_front`): the lock's own pieces over our
+statements without the layers above them, for what the layering costs;
+and the Python calls one pair makes, ours and the lean front's.
+
 Last, what the client's work between two round trips costs on this machine.
 Among the interleaved contenders, our statements through the connection
 layer with a busy wait of 10, 20 or 30 µs after each answer (client work
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import timeit
 from collections.abc import Callable
@@ -94,11 +99,14 @@ NO_QUEUE_RELEASE = (
 DELETE_RELEASE = "DELETE FROM django_dlock_lock WHERE name = %s AND token = %s"
 
 
+OURS = "ours: with dlock.lock(key)"
+LEAN = "a lean front: the lock's pieces without its layers"
+
 #: the contenders whose client CPU time is measured too
 CLIENT_CPU = (
     "floor: lease upsert + DELETE",
     "our statements through the lock's connection layer",
-    "ours: with dlock.lock(key)",
+    OURS,
 )
 
 
@@ -186,6 +194,100 @@ def client_gaps(pairs: int = 3000) -> tuple[float, float]:
     return statistics.median(between) * 1e6, statistics.median(before) * 1e6
 
 
+def lean_front() -> Callable[[], None]:
+    """A front over our statements made of the lock's own pieces, without the
+    layers above them: what the layering of ``with dlock.lock(key)`` costs.
+
+    Kept: the key's validation and cache, the arguments' checks, the database
+    alias and the strategy resolved, the holder and its table of holdings
+    (re-entry refused, not counted), the request's token and owner, the
+    statement's watch (a try-once's deadline), the lock connection and its
+    reconnect, the prepared statements, a ``Holding`` taken and released as
+    the lock does it (signals and log checks included). Left out: the
+    ``Lock`` and its options value per call, the acquiring walk and its
+    coroutine, the strategy's methods down to the statement. Not an API: no
+    waiting, one key, PostgreSQL only.
+    """
+    import django_dlock as dlock
+    from django_dlock import holdings
+    from django_dlock.conf import conf, lock_alias
+    from django_dlock.identity import current_holder
+    from django_dlock.keys import make_key
+    from django_dlock.retry import Deadline
+    from django_dlock.strategies import queue, supported
+    from django_dlock.strategies.base import Request
+    from django_dlock.strategies.connection import (
+        DIRECT_GRACE,
+        _deadline,
+        _execute_prepared,
+        watch_end,
+        watched_raw,
+        with_reconnect,
+    )
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
+    from django_dlock.validation import timeout_error, ttl_error
+
+    def pair() -> None:
+        key = make_key("bench-parts-lean")
+        ttl, timeout = 60.0, 0.0
+        if ttl_error(ttl) is not None or timeout_error(timeout) is not None:
+            raise ValueError("bad arguments")
+        alias = lock_alias()
+        strategy = supported("lease", alias)
+        holder = current_holder()
+        slot = (alias, strategy.family, key.name)
+        if holder.holdings.get(slot) is not None:
+            raise RuntimeError("already held")
+        req = Request(
+            key=key, alias=alias, token=holder.token(), owner=holder.owner(), ttl=ttl, row=key.name
+        )
+        deadline = Deadline(timeout)
+        sent_at = time.monotonic()
+        sql = PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+        params = [key.name, req.token, req.owner, ttl, queue.NEWCOMER, queue.NEWCOMER]
+
+        def send(connection: Any) -> tuple[Any, int]:
+            return watched_raw(
+                connection.connection,
+                lambda: _execute_prepared(connection, sql, params),
+                DIRECT_GRACE,
+                False,
+            )
+
+        watching = _deadline.set(watch_end(deadline, sent_at))
+        try:
+            (row, _), _ = with_reconnect(alias, send)
+        finally:
+            _deadline.reset(watching)
+        if row is None:
+            raise RuntimeError("uncontended acquire failed")
+        holding = holdings.Holding(req, strategy, int(row[0]), dlock.Lock)
+        wait = time.monotonic() - deadline.start
+        holdings.take(holder, holding, sent_at=sent_at, wait=wait, renewal=None)
+        holdings.release_one(holder, holder.holdings[slot])
+
+    return pair
+
+
+def python_calls(pair: Callable[[], None]) -> int:
+    """Python function calls made by one ``pair()`` (warm), itself included."""
+    for _ in range(20):
+        pair()
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        pair()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def contenders() -> dict[str, Callable[[], None]]:
     from django.db import connections
 
@@ -251,7 +353,8 @@ def contenders() -> dict[str, Callable[[], None]]:
             f"the same, {us} µs of client work after each answer": layer_with_gaps(us)
             for us in GAPS
         },
-        "ours: with dlock.lock(key)": uncontended.user_pair("lease", "bench-parts-api"),
+        LEAN: lean_front(),
+        OURS: uncontended.user_pair("lease", "bench-parts-api"),
     }
 
 
@@ -277,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {', '.join(f'{each:.0f}' for each in cpu)} |")
     print()
     print(f"The lock API without a database: {api_without_database():.1f} µs per pair.")
+    ours, lean = (pairs[label] for label in (OURS, LEAN))
+    print(f"Python calls per pair: ours {python_calls(ours)}, the lean front {python_calls(lean)}.")
     between, before = client_gaps()
     print(
         f"Ours between a pair's round trips (median, in the loop): {between:.1f} µs from "
