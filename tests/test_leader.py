@@ -484,6 +484,57 @@ def test_advisory_leader_whose_session_ends_stops_and_a_standby_leads_at_once(pg
         assert leader.stopped_reason.startswith("lost: ")
 
 
+def test_a_take_over_that_waited_for_a_release_takes_the_row_it_freed(pg):
+    """The advisory election's standby, granted the lock when the leader's
+    session ends, may send its take-over of the lease row while the old
+    leader's release of that row is in flight. The take-over waits for the
+    row, then must take it: the release stamped the row's end after the
+    take-over's statement began, but a free row is nobody's (it once refused,
+    and the standby stepped aside for the old leader)."""
+    from django_dlock.keys import make_key
+    from django_dlock.strategies.base import Request
+    from django_dlock.strategies.lease import lease
+
+    key = make_key("sched-released", "leader")
+
+    def request(token: str) -> Request:
+        return Request(key=key, alias=pg, token=token, owner=token, ttl=10.0, row=key.name)
+
+    assert lease.take_over(request("adv:old"), "adv:") is not None
+    taken: dict[str, int | None] = {}
+
+    def take_over() -> None:
+        try:
+            taken["fence"] = lease.take_over(request("adv:new"), "adv:")
+        finally:
+            connections.close_all()
+
+    standby = threading.Thread(target=take_over)
+    with transaction.atomic(using=pg), connections[pg].cursor() as cur:
+        # the old leader's release, in flight: it holds the row until it commits
+        cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [key.name])
+        standby.start()
+
+        def waits_for_the_row() -> bool:
+            cur.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted "
+                "AND locktype = 'transactionid' "
+                "AND transactionid::text = pg_current_xact_id()::text)"
+            )
+            return bool(cur.fetchone()[0])
+
+        wait_until(waits_for_the_row)
+        cur.execute(
+            "UPDATE django_dlock_lock SET token = '', expire_at = statement_timestamp() "
+            "WHERE name = %s",
+            [key.name],
+        )
+    standby.join(30)
+    assert not standby.is_alive()
+    assert taken["fence"] is not None
+    assert row(pg, key.name)[0] == "adv:new"
+
+
 @pytest.mark.usefixtures("advisory_sessions")
 def test_mixed_strategies_never_make_two_leaders(pg, caplog):
     lease_side = election(pg, identity="lease-side")

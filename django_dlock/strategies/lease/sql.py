@@ -122,6 +122,9 @@ MYSQL_INSERT = (
     "UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND)"
 )
 
+# The row's end is judged when the row is examined (clock_timestamp), not when
+# the statement began: a take-over that waited for a release in flight must
+# find the row the release ended (stamped after the take-over began).
 PG_TAKE_OVER = f"""
 INSERT INTO {TABLE} AS l (name, token, owner, fence, acquired_at, expire_at)
 VALUES (%s, %s, %s, {NEXT_FENCE}, statement_timestamp(),
@@ -134,7 +137,7 @@ ON CONFLICT (name) DO UPDATE SET
     acquired_at = CASE WHEN l.token = EXCLUDED.token THEN l.acquired_at
                        ELSE EXCLUDED.acquired_at END,
     expire_at = EXCLUDED.expire_at
-WHERE l.expire_at <= statement_timestamp() OR l.token = EXCLUDED.token OR l.token LIKE %s
+WHERE l.expire_at <= clock_timestamp() OR l.token = EXCLUDED.token OR l.token LIKE %s
 RETURNING fence
 """
 

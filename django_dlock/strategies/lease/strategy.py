@@ -341,7 +341,9 @@ class LeaseStrategy:
 
         For a caller that already proved by other means (an advisory lock)
         that the holder of such a lease is gone: ``LeaderElection`` with the
-        advisory strategy records its leader here. Returns the fencing
+        advisory strategy records its leader here. A lease counts as ended
+        when the row is examined, so a take-over that waited for a release
+        in flight takes the row that release ended. Returns the fencing
         number, or ``None`` if a live lease of another kind holds the row.
         """
         connection = lock_connection(req.alias)
