@@ -488,9 +488,10 @@ def test_a_take_over_that_waited_for_a_release_takes_the_row_it_freed(pg):
     """The advisory election's standby, granted the lock when the leader's
     session ends, may send its take-over of the lease row while the old
     leader's release of that row is in flight. The take-over waits for the
-    row, then must take it: the release stamped the row's end after the
-    take-over's statement began, but a free row is nobody's (it once refused,
-    and the standby stepped aside for the old leader)."""
+    row, then must take it: the release ended the lease, though it stamped
+    that end after the take-over's statement began (judged by that start,
+    the take-over was once refused, and the standby stepped aside for the
+    old leader)."""
     from django_dlock.keys import make_key
     from django_dlock.strategies.base import Request
     from django_dlock.strategies.lease import lease
