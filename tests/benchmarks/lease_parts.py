@@ -91,6 +91,18 @@ def subquery_acquire() -> str:
     return PG_ACQUIRE_SQL[True].replace(call, subquery).replace(NEXT_FENCE, SUBQUERY_FENCE)
 
 
+def no_epoch_acquire() -> str:
+    """Our acquire with a plain ``nextval`` for its fencing number: without the
+    timeline epoch that keeps numbers increasing across a fail-over."""
+    from django_dlock.strategies.fence import NEXT_FENCE
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
+    from django_dlock.tables import FENCE_SEQUENCE
+
+    if NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
+        raise RuntimeError("the acquire no longer calls django_dlock_next_fence")
+    return PG_ACQUIRE_SQL[True].replace(NEXT_FENCE, f"nextval('{FENCE_SEQUENCE}')")
+
+
 #: the release without the wake-up of the queue's head
 NO_QUEUE_RELEASE = (
     "UPDATE django_dlock_lock SET token = '', expire_at = statement_timestamp() "
@@ -320,25 +332,21 @@ def contenders() -> dict[str, Callable[[], None]]:
             raise RuntimeError("uncontended acquire failed")
         conn.execute(DELETE_RELEASE, [name, token], prepare=True)
 
-    def layer() -> None:
-        name, token = "lock:bench-parts-layer", "parts-layer"
-        connection = connections["default"]
-        params = [name, token, "", 60.0, newcomer, newcomer]
-        if execute(connection, acquire, params, True)[0] is None:
-            raise RuntimeError("uncontended acquire failed")
-        execute(connection, release, [name, token, name])
-
-    def layer_with_gaps(us: int) -> Callable[[], None]:
-        name, token = f"lock:bench-parts-gap-{us}", "parts-gap"
+    def layer(us: int = 0) -> Callable[[], None]:
+        """Our statements through the connection layer, ``us`` µs of client
+        work after each answer."""
+        name, token = f"lock:bench-parts-layer-{us}", "parts-layer"
         connection = connections["default"]
         params = [name, token, "", 60.0, newcomer, newcomer]
 
         def pair() -> None:
             if execute(connection, acquire, params, True)[0] is None:
                 raise RuntimeError("uncontended acquire failed")
-            _busy(us)
+            if us:
+                _busy(us)
             execute(connection, release, [name, token, name])
-            _busy(us)
+            if us:
+                _busy(us)
 
         return pair
 
@@ -348,11 +356,8 @@ def contenders() -> dict[str, Callable[[], None]]:
         "our statements, raw": ours_raw,
         "our statements without the queue parts": no_queue,
         "the same, the release a DELETE": no_queue_delete,
-        "our statements through the lock's connection layer": layer,
-        **{
-            f"the same, {us} µs of client work after each answer": layer_with_gaps(us)
-            for us in GAPS
-        },
+        "our statements through the lock's connection layer": layer(),
+        **{f"the same, {us} µs of client work after each answer": layer(us) for us in GAPS},
         LEAN: lean_front(),
         OURS: uncontended.user_pair("lease", "bench-parts-api"),
     }

@@ -49,7 +49,6 @@ Contender = tuple[str, Callable[[str, str], list[Any]], str, Callable[[str, str]
 
 def contenders() -> dict[str, Contender]:
     from django_dlock.strategies import queue
-    from django_dlock.strategies.fence import NEXT_FENCE
     from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL, PG_RELEASE_SQL
 
     from . import lease_parts, uncontended
@@ -68,7 +67,6 @@ def contenders() -> dict[str, Contender]:
 
     acquire, ours_release = PG_ACQUIRE_SQL[True], PG_RELEASE_SQL[True]
     before = lease_parts.subquery_acquire()
-    no_epoch = acquire.replace(NEXT_FENCE, "nextval('django_dlock_fence')")
     return {
         "floor: lease upsert + DELETE": (
             uncontended.FLOOR_LEASE_ACQUIRE,
@@ -84,7 +82,7 @@ def contenders() -> dict[str, Contender]:
             release,
         ),
         "ours, the fencing number without its timeline epoch": (
-            no_epoch,
+            lease_parts.no_epoch_acquire(),
             ours,
             ours_release,
             release,

@@ -61,7 +61,7 @@ def script(sql: str, values: list[str]) -> str:
 def scripts() -> dict[str, str]:
     """Contender -> the pgbench script of its acquire and release."""
     from django_dlock.strategies import queue
-    from django_dlock.strategies.lease.sql import _PG_ACQUIRE, PG_ACQUIRE_SQL, PG_RELEASE_SQL
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL, PG_RELEASE_SQL
 
     from . import lease_parts, uncontended
 
@@ -77,7 +77,7 @@ def scripts() -> dict[str, str]:
         )
         + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
         "our statements, the fencing number without its timeline epoch": script(
-            _PG_ACQUIRE.format(new_fence="nextval('django_dlock_fence')", returning=""),
+            lease_parts.no_epoch_acquire(),
             [*acquire, newcomer, newcomer],
         )
         + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
