@@ -32,13 +32,11 @@ import re
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from ..pgcluster import bindir, free_port
+from ..pgcluster import PrivateCluster
 from .common import ensure_databases, setup_django
 
 FEW, MANY = 200, 1700
@@ -102,48 +100,37 @@ def contenders() -> dict[str, Contender]:
     }
 
 
-class CountedServer:
-    """A throw-away PostgreSQL cluster whose every process runs under callgrind."""
+class CountedServer(PrivateCluster):
+    """A throw-away PostgreSQL cluster (:class:`tests.pgcluster.PrivateCluster`)
+    whose every process runs under callgrind."""
 
     def __init__(self) -> None:
         if shutil.which("valgrind") is None:
             raise SystemExit("valgrind is not installed")
-        self.bindir = bindir()
-        self.root = Path(tempfile.mkdtemp(prefix="dlock-pg-counted-"))
-        self.port = free_port()
-        # PostgreSQL refuses to run as root
-        self.prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        if self.prefix:
-            shutil.chown(self.root, "postgres", "postgres")
+        super().__init__()
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        data = self.root / "data"
-        subprocess.run(
-            [*self.prefix, str(self.bindir / "initdb"), "-D", str(data), "-A", "trust"]
-            + ["-U", "postgres", "--no-sync"],
-            check=True,
-            capture_output=True,
-        )
+        """The server under callgrind (:meth:`create` calls it after ``initdb``)."""
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--trace-children=yes",
+            f"--callgrind-out-file={self.root}/counts.%p",
+            str(self.bindir / "postgres"),
+            "-D",
+            str(self.data),
+            "-p",
+            str(self.port),
+            "-k",
+            str(self.root),
+            "-c",
+            "listen_addresses=127.0.0.1",
+        ]
+        if self._as_postgres:  # PostgreSQL refuses to run as root
+            command = ["runuser", "-u", "postgres", "--", *command]
         self.process = subprocess.Popen(
-            [
-                *self.prefix,
-                "valgrind",
-                "--tool=callgrind",
-                "--trace-children=yes",
-                f"--callgrind-out-file={self.root}/counts.%p",
-                str(self.bindir / "postgres"),
-                "-D",
-                str(data),
-                "-p",
-                str(self.port),
-                "-k",
-                str(self.root),
-                "-c",
-                "listen_addresses=127.0.0.1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -202,16 +189,10 @@ class CountedServer:
             time.sleep(0.1)
         raise RuntimeError(f"no count for backend {pid}")
 
-    def stop(self) -> None:
+    def destroy(self) -> None:
+        super().destroy()
         if self.process is not None:
-            subprocess.run(
-                [*self.prefix, str(self.bindir / "pg_ctl"), "-D", str(self.root / "data")]
-                + ["-m", "immediate", "-w", "stop"],
-                capture_output=True,
-                check=False,
-            )
             self.process.wait(60)
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def instructions(server: CountedServer, contender: Contender, pairs: int, label: str) -> int:
@@ -239,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     server = CountedServer()
     found: dict[str, list[float]] = {}
     try:
-        server.start()
+        server.create()
         server.load_schema(connections["default"].settings_dict)
         for _ in range(args.runs):
             for index, (label, contender) in enumerate(contenders().items()):
@@ -247,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 many = instructions(server, contender, MANY, str(index))
                 found.setdefault(label, []).append((many - few) / (MANY - FEW))
     finally:
-        server.stop()
+        server.destroy()
     floor = statistics.median(next(iter(found.values())))
     print(f"Server instructions per uncontended lease pair (callgrind, {args.runs} runs)")
     print()
