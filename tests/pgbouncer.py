@@ -19,13 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .pgcluster import free_port
+
 BINARY = os.environ.get("DLOCK_TEST_PGBOUNCER", "/usr/sbin/pgbouncer")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PgBouncer:
