@@ -179,17 +179,27 @@ def _take(name: str, alias: str, **kwargs: Any) -> int:
     return fence
 
 
-def _fence_as(cluster: PrivateCluster, role: str) -> int:
-    """The next fencing number, taken on ``cluster`` as ``role``."""
+def _session(cluster: PrivateCluster) -> Any:
+    """A session of its own on ``cluster`` (not through the switch)."""
     import psycopg
 
-    with psycopg.connect(
+    return psycopg.connect(
         host="127.0.0.1", port=cluster.port, user="postgres", dbname=DATABASE, autocommit=True
-    ) as conn:
-        conn.execute(f'SET ROLE "{role}"')
-        row = conn.execute(f"SELECT {NEXT_FENCE}").fetchone()
+    )
+
+
+def _fence_on(conn: Any) -> int:
+    """The next fencing number, taken in the session ``conn``."""
+    row = conn.execute(f"SELECT {NEXT_FENCE}").fetchone()
     assert row is not None
     return int(row[0])
+
+
+def _fences_as(cluster: PrivateCluster, role: str, count: int) -> list[int]:
+    """The next ``count`` fencing numbers, taken in one session on ``cluster`` as ``role``."""
+    with _session(cluster) as conn:
+        conn.execute(f'SET ROLE "{role}"')
+        return [_fence_on(conn) for _ in range(count)]
 
 
 def _raw_sequence(cluster: PrivateCluster) -> int:
@@ -271,6 +281,13 @@ def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_
     advisory = dlock.lock("async:advisory", using=ASYNC, strategy="advisory")
     assert advisory.acquire(timeout=0)
     highest = max(f for f in issued if f is not None)
+    # A session open on the standby takes no number there (read-only), and
+    # lives through the promotion.
+    import psycopg
+
+    on_standby = _session(pair.new_primary)
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        _fence_on(on_standby)
 
     pair.fail_over()
 
@@ -280,9 +297,17 @@ def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_
 
     # A role that may not raise the sequence gets numbers above the old
     # primary's too (the sequence stays where it is).
-    limited = [_fence_as(pair.new_primary, "dlock_fence_user") for _ in range(2)]
-    assert highest < limited[0] < limited[1], (highest, limited)
+    limited = _fences_as(pair.new_primary, "dlock_fence_user", 2)
+    limited += _fences_as(pair.new_primary, "dlock_fence_user", 1)
+    assert highest < limited[0] < limited[1] < limited[2], (highest, limited)
     assert _raw_sequence(pair.new_primary) < highest
+
+    # The session that was open on the standby: its numbers on the new
+    # timeline are above the old primary's too (it had learned nothing of
+    # the old timeline), and each one above the last.
+    with on_standby:
+        survived = [_fence_on(on_standby) for _ in range(3)]
+    assert max(limited) < survived[0] < survived[1] < survived[2], (limited, survived)
 
     # The lease that had reached the standby is still held.
     assert replicated.owned()

@@ -139,10 +139,13 @@ def test_the_models_and_the_sql_take_their_table_names_from_one_module():
     assert models.FenceFloor._meta.db_table == tables.FENCE_FLOOR_TABLE
     assert lease.TABLE == row.TABLE == queue.LOCKS == cleanup.TABLE == tables.LOCK_TABLE
     assert lease.WAITERS == queue.WAITERS == cleanup.WAITERS == tables.WAITER_TABLE
-    # the functions of migration 0009 (a migration keeps its SQL as written)
+    # the functions of migrations 0009 and 0010 (a migration keeps its SQL as written)
     functions = importlib.import_module("django_dlock.migrations.0009_acquire_functions")
-    ahead, next_fence = functions.CREATE
-    assert fence.NEXT_FENCE == "django_dlock_next_fence()"
-    assert f"nextval('{tables.FENCE_SEQUENCE}')" in next_fence
-    assert f"<< {fence.TIMELINE_SHIFT};" in next_fence
+    ahead, _ = functions.CREATE
     assert f"FROM {tables.WAITER_TABLE} w" in ahead
+    next_fence = importlib.import_module("django_dlock.migrations.0010_fence_epoch_per_session")
+    assert f"nextval('{tables.FENCE_SEQUENCE}')" in next_fence.CREATE
+    assert f"<< {fence.TIMELINE_SHIFT};" in next_fence.CREATE
+    assert f"set_config('{fence.ABOVE_EPOCH}', 'on', false)" in next_fence.CREATE
+    assert f"nextval('{tables.FENCE_SEQUENCE}')" in fence.NEXT_FENCE
+    assert "django_dlock_next_fence()" in fence.NEXT_FENCE
