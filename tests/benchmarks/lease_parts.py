@@ -91,6 +91,30 @@ def subquery_acquire() -> str:
     return PG_ACQUIRE_SQL[True].replace(call, subquery).replace(NEXT_FENCE, SUBQUERY_FENCE)
 
 
+#: the fencing number's function as migration 0009 made it, under a name of its own
+EVERY_NUMBER_FENCE = "django_dlock_next_fence_0009()"
+
+
+def every_number_function() -> str:
+    """SQL that creates :data:`EVERY_NUMBER_FENCE`: the function of migration 0009,
+    which reads the timeline at every number."""
+    import importlib
+
+    migration = importlib.import_module("django_dlock.migrations.0010_fence_epoch_per_session")
+    return migration.PREVIOUS.replace("django_dlock_next_fence()", EVERY_NUMBER_FENCE)
+
+
+def every_number_acquire() -> str:
+    """Our acquire as before migration 0010: the fencing number's function called
+    at every number (:func:`every_number_function` must exist)."""
+    from django_dlock.strategies.fence import NEXT_FENCE
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
+
+    if NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
+        raise RuntimeError("the acquire no longer takes NEXT_FENCE")
+    return PG_ACQUIRE_SQL[True].replace(NEXT_FENCE, EVERY_NUMBER_FENCE)
+
+
 def no_epoch_acquire() -> str:
     """Our acquire with a plain ``nextval`` for its fencing number: without the
     timeline epoch that keeps numbers increasing across a fail-over."""

@@ -16,9 +16,16 @@ Contenders: the floor (:data:`tests.benchmarks.uncontended.FLOOR_LEASE_ACQUIRE`
 and its DELETE), ours (the statements the lock sends, durable), ours in the
 form they had before migration 0009 (the "live ticket ahead?" check and the
 fencing number as subqueries, :func:`tests.benchmarks.lease_parts.subquery_acquire`),
+ours as before migration 0010 (the fencing number's function called at every
+number, :func:`tests.benchmarks.lease_parts.every_number_acquire`),
 ours without the fencing number's timeline epoch, without the queue parts
 (:data:`tests.benchmarks.lease_parts.NO_QUEUE_ACQUIRE` and its release), and
 that with the floor's DELETE as the release.
+
+``--where`` also counts, for ours and the floor, the instructions inside a
+few of the backend's functions (:data:`WHERE`, read with
+``callgrind_annotate``); ``--fillfactor N`` sets the lock table's
+``fillfactor`` in the counted cluster.
 
 Needs valgrind and PostgreSQL's server binaries (``initdb``, ``pg_dump``);
 about two minutes.
@@ -37,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..pgcluster import PrivateCluster
+from . import lease_parts
 from .common import ensure_databases, setup_django
 
 FEW, MANY = 200, 1700
@@ -49,7 +57,7 @@ def contenders() -> dict[str, Contender]:
     from django_dlock.strategies import queue
     from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL, PG_RELEASE_SQL
 
-    from . import lease_parts, uncontended
+    from . import uncontended
 
     def ours(name: str, token: str) -> list[Any]:
         return [name, token, "", 60.0, queue.NEWCOMER, queue.NEWCOMER]
@@ -73,6 +81,12 @@ def contenders() -> dict[str, Contender]:
             plain,
         ),
         "our statements": (acquire, ours, ours_release, release),
+        "ours before migration 0010 (the fence function at every number)": (
+            lease_parts.every_number_acquire(),
+            ours,
+            ours_release,
+            release,
+        ),
         "ours before migration 0009 (subqueries, not functions)": (
             before,
             ours,
@@ -194,9 +208,46 @@ class CountedServer(PrivateCluster):
         if self.process is not None:
             self.process.wait(60)
 
+    def backend_functions(self, pid: int, names: tuple[str, ...]) -> dict[str, int]:
+        """Backend ``pid``'s instructions inside each function of ``names``
+        (inclusive: with what it calls), read by ``callgrind_annotate``."""
+        self.backend_instructions(pid)  # (waits for the count)
+        annotated = subprocess.run(
+            [
+                "callgrind_annotate",
+                "--inclusive=yes",
+                "--threshold=100",
+                f"{self.root}/counts.{pid}",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        found = dict.fromkeys(names, 0)
+        for line in annotated.splitlines():
+            match = re.match(r"\s*([\d,]+) .*\?\?\?:(\w+) \[", line)
+            if match and match.group(2) in found and not found[match.group(2)]:
+                found[match.group(2)] = int(match.group(1).replace(",", ""))
+        return found
 
-def instructions(server: CountedServer, contender: Contender, pairs: int, label: str) -> int:
-    """Instructions of a backend that ran ``pairs`` pairs of ``contender``."""
+
+#: the backend's functions that ``--where`` counts, and what each does
+WHERE = {
+    "ExecutorStart": "setting the executor up (`ExecutorStart`)",
+    "ExecutorRun": "running it (`ExecutorRun`)",
+    "index_fetch_heap": "of which finding the row's live version (`index_fetch_heap`)",
+}
+
+
+def instructions(
+    server: CountedServer,
+    contender: Contender,
+    pairs: int,
+    label: str,
+    functions: tuple[str, ...] = (),
+) -> dict[str, int]:
+    """Instructions of a backend that ran ``pairs`` pairs of ``contender``: in
+    all (``"total"``) and inside each of ``functions``."""
     acquire, acquire_params, release, release_params = contender
     name, token = f"lock:bench-server-ir-{label}", "bench-server-ir"
     conn = server.connect("bench")
@@ -206,12 +257,23 @@ def instructions(server: CountedServer, contender: Contender, pairs: int, label:
             raise RuntimeError(f"{label}: uncontended acquire failed")
         conn.execute(release, release_params(name, token), prepare=True)
     conn.close()
-    return server.backend_instructions(pid)
+    counts = {"total": server.backend_instructions(pid)}
+    if functions:
+        counts.update(server.backend_functions(pid, functions))
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.server_instructions")
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--where",
+        action="store_true",
+        help="also count, for ours and the floor, the backend's functions of WHERE",
+    )
+    parser.add_argument(
+        "--fillfactor", type=int, help="the lock table's fillfactor in the counted cluster"
+    )
     args = parser.parse_args(argv)
     setup_django()
     ensure_databases()
@@ -219,24 +281,50 @@ def main(argv: list[str] | None = None) -> int:
 
     server = CountedServer()
     found: dict[str, list[float]] = {}
+    where: dict[tuple[str, str], list[float]] = {}
+    floor_label, ours_label = "floor: lease upsert + DELETE", "our statements"
     try:
         server.create()
         server.load_schema(connections["default"].settings_dict)
+        with server.connect("bench") as conn:
+            conn.execute(lease_parts.every_number_function())
+            if args.fillfactor is not None:
+                conn.execute(
+                    f"ALTER TABLE django_dlock_lock SET (fillfactor = {args.fillfactor:d})"
+                )
         for _ in range(args.runs):
             for index, (label, contender) in enumerate(contenders().items()):
-                few = instructions(server, contender, FEW, str(index))
-                many = instructions(server, contender, MANY, str(index))
-                found.setdefault(label, []).append((many - few) / (MANY - FEW))
+                functions = (
+                    tuple(WHERE) if args.where and label in (floor_label, ours_label) else ()
+                )
+                few = instructions(server, contender, FEW, str(index), functions)
+                many = instructions(server, contender, MANY, str(index), functions)
+                for part in many:
+                    per_pair = (many[part] - few[part]) / (MANY - FEW)
+                    if part == "total":
+                        found.setdefault(label, []).append(per_pair)
+                    else:
+                        where.setdefault((label, part), []).append(per_pair)
     finally:
         server.destroy()
-    floor = statistics.median(next(iter(found.values())))
+    floor = statistics.median(found[floor_label])
     print(f"Server instructions per uncontended lease pair (callgrind, {args.runs} runs)")
+    if args.fillfactor is not None:
+        print(f"(the lock table's fillfactor: {args.fillfactor})")
     print()
     print("| statements | instructions per pair | vs the floor |")
     print("| --- | ---: | ---: |")
     for label, counts in found.items():
         value = statistics.median(counts)
         print(f"| {label} | {value / 1000:,.1f}k | {value / floor:.2f}x |")
+    if where:
+        print()
+        print("| where, per pair (inclusive) | ours | the floor |")
+        print("| --- | ---: | ---: |")
+        for part, what in WHERE.items():
+            ours = statistics.median(where[(ours_label, part)])
+            theirs = statistics.median(where[(floor_label, part)])
+            print(f"| {what} | {ours / 1000:,.1f}k | {theirs / 1000:,.1f}k |")
     return 0
 
 
