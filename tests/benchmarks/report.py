@@ -219,8 +219,8 @@ WHY_MISSED = [
     "  more on both sides: the client's is the lock API's Python, cold in the",
     "  cache after every round trip; the server's is partly the statements",
     "  themselves, counted by callgrind in a PostgreSQL backend (`python -m",
-    "  tests.benchmarks.server_instructions`): 265.8k instructions per pair",
-    "  against the floor's 193.1k (292.7k before migration 0009; section 12).",
+    "  tests.benchmarks.server_instructions`): 251.0k instructions per pair",
+    "  against the floor's 193.1k (265.8k before migration 0010; section 12).",
     "  The rows move by 0.1-0.2 between runs at N = 8 and 16: per round, the",
     "  same code's ratio at N = 16 ranged from 0.67x to 1.04x in one afternoon.",
 ]
