@@ -20,6 +20,8 @@ The same numbers as before. Nothing on other databases.
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
@@ -51,27 +53,8 @@ END
 $$
 """
 
-#: the function as migration 0009 made it
-PREVIOUS = """
-CREATE OR REPLACE FUNCTION django_dlock_next_fence() RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    number bigint := nextval('django_dlock_fence');
-    -- the first number of this timeline: (timeline - 1) * 2**44, the
-    -- timeline read from the current WAL file's name
-    epoch bigint := (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))
-                     ::bit(32)::bigint - 1) << 44;
-BEGIN
-    IF number >= epoch THEN
-        RETURN number;
-    END IF;
-    IF has_sequence_privilege('django_dlock_fence', 'UPDATE') THEN
-        RETURN setval('django_dlock_fence', epoch + number);
-    END IF;
-    RETURN epoch + number;
-END
-$$
-"""
+#: the function as migration 0009 made it (what reversing this migration restores)
+PREVIOUS: str = import_module("django_dlock.migrations.0009_acquire_functions").CREATE[1]
 
 
 def create(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
