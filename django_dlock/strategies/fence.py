@@ -65,10 +65,10 @@ ABOVE_EPOCH = "django_dlock.fence_above_epoch"
 #: Once it found the sequence at or above the epoch, it sets
 #: :data:`ABOVE_EPOCH` for the session, and the session's later numbers are a
 #: plain ``nextval``: a sequence only goes up, and a session lives on one
-#: timeline (a standby takes no number). A function, not an expression in
-#: each statement: PostgreSQL set the expression's subquery up at every
-#: execution; and called only until the session knows: a PL/pgSQL call cost
-#: the server about 6 % of an uncontended lease pair.
+#: timeline (a standby takes no number). A function, not an expression with
+#: a subquery (PostgreSQL sets a subquery up at every execution); and called
+#: only until the session knows (a PL/pgSQL call cost about 6 % of the
+#: server's work in an uncontended lease pair).
 NEXT_FENCE = (
     f"CASE WHEN current_setting('{ABOVE_EPOCH}', true) = 'on' "
     f"THEN nextval('{FENCE_SEQUENCE}') ELSE django_dlock_next_fence() END"
