@@ -74,6 +74,16 @@ SUBQUERY_FENCE = (
 )
 
 
+def acquire_with_fence(fence: str) -> str:
+    """Our acquire (durable) with ``fence`` for the fencing number's expression."""
+    from django_dlock.strategies.fence import NEXT_FENCE
+    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
+
+    if NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
+        raise RuntimeError("the acquire no longer takes its number from NEXT_FENCE")
+    return PG_ACQUIRE_SQL[True].replace(NEXT_FENCE, fence)
+
+
 def subquery_acquire() -> str:
     """Our acquire in the form it had before migration 0009: its "live ticket
     ahead?" check and its fencing number as subqueries, not functions (the
@@ -81,14 +91,12 @@ def subquery_acquire() -> str:
     from django.db import connections
 
     from django_dlock.strategies import queue
-    from django_dlock.strategies.fence import NEXT_FENCE
-    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
 
     call = "NOT " + queue.PG_AHEAD.format(name="l.name", ticket="%s")
-    subquery = queue.none_ahead_sql(connections["default"], "l.name")
-    if call not in PG_ACQUIRE_SQL[True] or NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
-        raise RuntimeError("the acquire no longer calls django_dlock_ahead and next_fence")
-    return PG_ACQUIRE_SQL[True].replace(call, subquery).replace(NEXT_FENCE, SUBQUERY_FENCE)
+    acquire = acquire_with_fence(SUBQUERY_FENCE)
+    if call not in acquire:
+        raise RuntimeError("the acquire no longer calls django_dlock_ahead")
+    return acquire.replace(call, queue.none_ahead_sql(connections["default"], "l.name"))
 
 
 #: the fencing number's function as migration 0009 made it, under a name of its own
@@ -107,24 +115,15 @@ def every_number_function() -> str:
 def every_number_acquire() -> str:
     """Our acquire as before migration 0010: the fencing number's function called
     at every number (:func:`every_number_function` must exist)."""
-    from django_dlock.strategies.fence import NEXT_FENCE
-    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
-
-    if NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
-        raise RuntimeError("the acquire no longer takes NEXT_FENCE")
-    return PG_ACQUIRE_SQL[True].replace(NEXT_FENCE, EVERY_NUMBER_FENCE)
+    return acquire_with_fence(EVERY_NUMBER_FENCE)
 
 
 def no_epoch_acquire() -> str:
     """Our acquire with a plain ``nextval`` for its fencing number: without the
     timeline epoch that keeps numbers increasing across a fail-over."""
-    from django_dlock.strategies.fence import NEXT_FENCE
-    from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
     from django_dlock.tables import FENCE_SEQUENCE
 
-    if NEXT_FENCE not in PG_ACQUIRE_SQL[True]:
-        raise RuntimeError("the acquire no longer calls django_dlock_next_fence")
-    return PG_ACQUIRE_SQL[True].replace(NEXT_FENCE, f"nextval('{FENCE_SEQUENCE}')")
+    return acquire_with_fence(f"nextval('{FENCE_SEQUENCE}')")
 
 
 #: the release without the wake-up of the queue's head

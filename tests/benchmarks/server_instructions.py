@@ -210,8 +210,8 @@ class CountedServer(PrivateCluster):
 
     def backend_functions(self, pid: int, names: tuple[str, ...]) -> dict[str, int]:
         """Backend ``pid``'s instructions inside each function of ``names``
-        (inclusive: with what it calls), read by ``callgrind_annotate``."""
-        self.backend_instructions(pid)  # (waits for the count)
+        (inclusive: with what it calls), read by ``callgrind_annotate`` from
+        the count that :meth:`backend_instructions` waited for."""
         annotated = subprocess.run(
             [
                 "callgrind_annotate",
