@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -230,9 +229,16 @@ def scaling_table(points: list[Point]) -> list[str]:
     from statistics import median
 
     counts = sorted({p.processes for p in points})
+    rounds = {(p.strategy, p.mode): len(p.ours) for p in points}
+    usual = max(set(rounds.values()), key=list(rounds.values()).count)
+    more = [f"{n} for `{s}` on {m}" for (s, m), n in rounds.items() if n != usual]
     lines = [
         "Aggregate acquire + release pairs per second of all N processes (median of the "
-        "rounds), ours / the floor. Distinct keys: each process its own key, one try. "
+        "rounds), ours / the floor, and in brackets the median of the rounds' ratios: "
+        "each round runs ours and the floor back to back, so that a slow spell of the "
+        f"machine moves both. Rounds per cell: {usual}"
+        + (f" ({', '.join(more)})" if more else "")
+        + ". Distinct keys: each process its own key, one try. "
         "One hot key: every process on the same key, waiting. On a 2-vCPU machine two "
         "processes are the sweet spot: one client mostly waits for an idle core to wake at "
         "every round trip; beyond two, clients and server backends share the two cores.",
@@ -284,7 +290,8 @@ def cpu_table(points: list[Point]) -> list[str]:
     counts = sorted({p.processes for p in mine})
     lines = [
         "",
-        "CPU time per pair on distinct keys, in µs (median of the rounds), ours / the floor: "
+        "CPU time per pair on distinct keys, in µs (median of the rounds), ours / the floor "
+        "(in brackets the median of the rounds' ratios): "
         "the clients' (`time.process_time` of each process over the window) and the "
         "server's (every PostgreSQL process, read from `/proc`). On two cores the two "
         "compete: once the cores are busy, the pairs per second are about 2 s divided by "
@@ -298,19 +305,27 @@ def cpu_table(points: list[Point]) -> list[str]:
             cells = []
             for n in counts:
                 p = by.get((strategy, n))
-                ours = [] if p is None else _known(c[index] for c in p.ours_cpu)
-                floor = [] if p is None else _known(c[index] for c in p.floor_cpu)
-                if not ours or not floor:
+                rounds = [] if p is None else _known_pairs(p.ours_cpu, p.floor_cpu, index)
+                if not rounds:
                     cells.append("")
                     continue
-                a, b = median(ours), median(floor)
-                cells.append(f"{a:,.0f} / {b:,.0f} ({a / b:.2f}x)")
+                a, b = median(o for o, _ in rounds), median(f for _, f in rounds)
+                ratio = median(o / f for o, f in rounds)
+                cells.append(f"{a:,.0f} / {b:,.0f} ({ratio:.2f}x)")
             lines.append(f"| {strategy} | {part} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _known(values: Iterable[float | None]) -> list[float]:
-    return [value for value in values if value is not None]
+def _known_pairs(
+    ours: list[tuple[float, float | None]], floor: list[tuple[float, float | None]], index: int
+) -> list[tuple[float, float]]:
+    """Each round's (ours, floor) CPU part ``index``, where both were measured."""
+    found = []
+    for mine, theirs in zip(ours, floor, strict=True):
+        a, b = mine[index], theirs[index]
+        if a is not None and b is not None:
+            found.append((a, b))
+    return found
 
 
 def memory_table(results: list[Memory]) -> list[str]:

@@ -67,3 +67,21 @@ def test_the_cpu_table_gives_client_and_server_cost_per_pair_ours_over_the_floor
     assert "| lease | server | 200 / 250 (0.80x) |  |" in lines
     assert sum(line.startswith("| lease |") for line in lines) == 2  # the hot key is left out
     assert cpu_table([hot]) == []
+
+
+def test_a_cell_is_the_median_of_its_rounds_ratios_not_the_ratio_of_the_medians():
+    from tests.benchmarks.report import cpu_table, scaling_table
+    from tests.benchmarks.scaling import Point
+
+    # the third round ran on a fast spell of the machine: both sides moved
+    rounds = ([100.0, 90.0, 200.0], [100.0, 100.0, 300.0])
+    point = Point("lease", "distinct keys", 1, *rounds)
+    assert point.ratio == 0.9  # (the ratio of the medians is 1.0)
+    point.ours_cpu = [(rate, None) for rate in rounds[0]]
+    point.floor_cpu = [(rate, None) for rate in rounds[1]]
+    assert "| lease | client | 100 / 100 (0.90x) |" in cpu_table([point])
+
+    others = [Point(strategy, "distinct keys", 1, [1.0], [1.0]) for strategy in ("advisory", "row")]
+    text = "\n".join(scaling_table([point, *others]))
+    assert "100 / 100 (0.90x)" in text
+    assert "Rounds per cell: 1 (3 for `lease` on distinct keys)" in text
