@@ -35,6 +35,7 @@ from typing import Any
 from django.db import OperationalError, connections, transaction
 
 from django_dlock import dbclock
+from django_dlock.strategies.connection import again_if_deadlocked
 from django_dlock.tables import FENCE_FLOOR_TABLE, FENCE_SEQUENCE, LOCK_TABLE, WAITER_TABLE
 
 TABLE = LOCK_TABLE
@@ -143,15 +144,26 @@ def _check(batch_size: int, older_than: float = 0.0) -> None:
 def _pg_batch(
     using: str, batch_size: int, before: Any, fences_ahead: bool, where: str, params: list[Any]
 ) -> int:
-    """One PostgreSQL batch in ``where``; the number of rows deleted."""
-    with connections[using].cursor() as cur:
-        args = [before, *params, batch_size, before]
-        if not fences_ahead:
-            cur.execute(_PG_PLAIN_BATCH.format(where=where), args)
-            return int(cur.rowcount)
-        cur.execute(_PG_BATCH.format(where=where), args)
-        row = cur.fetchone()
-        return int(row[0]) if row else 0
+    """One PostgreSQL batch in ``where``; the number of rows deleted.
+
+    A batch deletes rows in the order they lie in the table, where a
+    ticket flags a semaphore's permit rows in slot order: locked in opposite
+    orders, PostgreSQL rolls one of the two back, and the batch picked runs
+    again (its snapshot judged rows that the ticket has changed since).
+    """
+    connection = connections[using]
+    args = [before, *params, batch_size, before]
+
+    def run() -> int:
+        with connection.cursor() as cur:
+            if not fences_ahead:
+                cur.execute(_PG_PLAIN_BATCH.format(where=where), args)
+                return int(cur.rowcount)
+            cur.execute(_PG_BATCH.format(where=where), args)
+            row = cur.fetchone()
+            return int(row[0]) if row else 0
+
+    return again_if_deadlocked(connection, run)
 
 
 def _pg_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:
@@ -249,12 +261,17 @@ def _sqlite_batch(
 def _one_batch(
     using: str, batch_size: int, before: Any, where: str, params: list[Any]
 ) -> tuple[int, int | None]:
-    """One SQLite or MySQL/MariaDB batch (see :func:`_generic_batch`)."""
+    """One SQLite or MySQL/MariaDB batch (see :func:`_generic_batch`); on
+    MySQL/MariaDB run again when InnoDB picks it as a deadlock's victim."""
     connection = connections[using]
     if connection.vendor == "sqlite" and not connection.in_atomic_block:
         return _sqlite_batch(using, batch_size, before, where, params)
-    with transaction.atomic(using=using), connection.cursor() as cur:
-        return _generic_batch(cur, connection.vendor, batch_size, before, where, params)
+
+    def run() -> tuple[int, int | None]:
+        with transaction.atomic(using=using), connection.cursor() as cur:
+            return _generic_batch(cur, connection.vendor, batch_size, before, where, params)
+
+    return again_if_deadlocked(connection, run)
 
 
 def _id_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:

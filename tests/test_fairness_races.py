@@ -12,6 +12,7 @@ need no timing.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -318,3 +319,90 @@ def test_cleanup_keeps_a_semaphores_flagged_permit_rows_while_a_ticket_is_live(p
     queue.leave(pg, ticket)
     delete_free(using=pg)
     assert _flags(pg, "clean-sem") == {}  # no ticket left: free rows go, flags and all
+
+
+# -- PostgreSQL: a ticket and a cleanup that lock permit rows in opposite orders ----
+
+
+def _free_rows(alias: str, names: list[str]) -> None:
+    """Free rows, long expired, lying in the table in the order of ``names``."""
+    with connections[alias].cursor() as cur:
+        for name in names:
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at, queued) "
+                "VALUES (%s, '', '', 1, now() - interval '1 hour', false)",
+                [name],
+            )
+        cur.execute("SELECT name FROM django_dlock_lock ORDER BY ctid")
+        assert [row[0] for row in cur.fetchall()] == names
+
+
+def _waiting(alias: str) -> int:
+    """How many backends of the test database wait for a lock another one holds."""
+    with connections[alias].cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND cardinality(pg_blocking_pids(pid)) > 0"
+        )
+        return int(cur.fetchone()[0])
+
+
+def _deadlock_timeout(alias: str) -> float:
+    with connections[alias].cursor() as cur:
+        cur.execute("SELECT extract(epoch FROM current_setting('deadlock_timeout')::interval)")
+        return float(cur.fetchone()[0])
+
+
+@pytest.mark.parametrize("victim", ["cleanup", "ticket"])
+def test_a_ticket_and_a_cleanup_locking_permit_rows_in_opposite_orders_both_finish(pg, victim):
+    """A ticket flags a semaphore's permit rows in slot order; a cleanup batch
+    deletes free rows in the order they lie in the table. Locking them in
+    opposite orders, the two deadlock, and PostgreSQL rolls back the one that
+    began waiting last: neither caller may see the deadlock. A third session
+    holds one row so that the two lock theirs in that order; each case makes
+    the other side the victim."""
+    from django_dlock.cleanup import delete_free
+    from django_dlock.strategies.lease.permits import permit_strategy
+
+    permit = [f"semaphore:dead-sem#{i}" for i in range(3)]
+    if victim == "cleanup":
+        # the cleanup deletes permit 1, then waits for the row between (held);
+        # the ticket flags permit 0, then waits for permit 1 (the cleanup's);
+        # the row between freed, the cleanup waits for permit 0 (the ticket's)
+        sem, held = permit_strategy(2), "lock:dead-sem-between"
+        _free_rows(pg, [permit[1], held, permit[0]])
+    else:
+        # the ticket flags permit 0, then waits for permit 1 (held); the
+        # cleanup deletes permit 2, then waits for permit 0 (the ticket's);
+        # permit 1 freed, the ticket waits for permit 2 (the cleanup's)
+        sem, held = permit_strategy(3), permit[1]
+        _free_rows(pg, [permit[2], permit[0], permit[1]])
+    holding = _raw(pg)
+    try:
+        holding.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [held])
+        waiter = _permit_request("dead-sem", "waiter")
+        first, second = (
+            (lambda: delete_free(using=pg), lambda: sem.enqueue(waiter))
+            if victim == "cleanup"
+            else (lambda: sem.enqueue(waiter), lambda: delete_free(using=pg))
+        )
+        threads = []
+        for step in (first, second):
+            threads.append(_in_background(step))
+            waiting = len(threads)
+            wait_until(lambda: _waiting(pg) == waiting)  # noqa: B023 (called at once)
+        # PostgreSQL looks for a deadlock once per wait, deadlock_timeout after
+        # the wait began: with both looks done, the one that waits next is the victim
+        time.sleep(_deadlock_timeout(pg) + 0.5)
+        holding.rollback()
+        for thread, _ in threads:
+            thread.join(30)
+    finally:
+        holding.close()
+    (cleaned,), (ticketed,) = (out for _, out in threads[:: 1 if victim == "cleanup" else -1])
+    assert isinstance(cleaned, int), cleaned
+    assert isinstance(ticketed, int), ticketed
+    # the ticket waits, its semaphore's every permit row flagged, and is served
+    assert _flags(pg, "dead-sem") == {str(i): True for i in range(sem.permits)}
+    assert sem.try_acquire(waiter, ticketed) is not None
+    assert sem.release(waiter)

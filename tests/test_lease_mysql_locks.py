@@ -7,6 +7,8 @@ MariaDB released and extended a lease by scanning the expire_at index,
 locking every live lease it passed on the way (other keys', other permits').
 Against a semaphore's take, which locks its permits' rows in name order, that
 was a deadlock (seen under load: a holder's release failed with error 1213).
+A take or a cleanup batch that still meets a deadlock (rows locked in
+another order by someone else) is rolled back whole, and runs again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,46 @@ def indexes_considered(sql: str, params: Any) -> str | None:
         return cur.fetchone()[names.index("possible_keys")]
 
 
+def a_transaction_waits() -> bool:
+    """Whether a transaction waits for a row lock (InnoDB's view, which it
+    refreshes only when nobody read it for 0.1 s)."""
+    time.sleep(0.2)
+    with connections[ALIAS].cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT'"
+        )
+        return bool(cur.fetchone()[0])
+
+
+def heavier_transaction(
+    first: str, then: str, holds: threading.Event, asks: threading.Event
+) -> tuple[Callable[[], None], list[BaseException]]:
+    """A function that writes rows (so that InnoDB never picks it as a deadlock's
+    victim), locks the row ``first``, and once ``asks`` is set the row ``then``."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with transaction.atomic(using=ALIAS), connections[ALIAS].cursor() as cur:
+                for i in range(50):
+                    cur.execute(
+                        "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                        "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6))",
+                        [f"weight-{i}"],
+                    )
+                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [first])
+                holds.set()
+                asks.wait(30)
+                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [then])
+                transaction.set_rollback(True, using=ALIAS)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    return run, errors
+
+
 def updates(seen: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [(sql, params) for sql, params in seen if sql.lstrip().upper().startswith("UPDATE")]
 
@@ -88,37 +130,9 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
     has written nothing), and the take runs again and gets its permit."""
     with dlock.semaphore("dl", permits=3, using=ALIAS):  # the permits' rows exist
         pass
-    holds_1 = threading.Event()
-    asks_0 = threading.Event()
-    other: list[BaseException] = []
-
-    def heavier_transaction() -> None:
-        """Writes rows (so it is not the victim), locks permit 1, then permit 0."""
-        try:
-            with transaction.atomic(using=ALIAS), connections[ALIAS].cursor() as cur:
-                for i in range(50):
-                    cur.execute(
-                        "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
-                        "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6))",
-                        [f"weight-{i}"],
-                    )
-                cur.execute(
-                    "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE",
-                    ["semaphore:dl#1"],
-                )
-                holds_1.set()
-                asks_0.wait(30)
-                cur.execute(
-                    "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE",
-                    ["semaphore:dl#0"],
-                )
-                transaction.set_rollback(True, using=ALIAS)
-        except BaseException as exc:
-            other.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=heavier_transaction)
+    holds_1, asks_0 = threading.Event(), threading.Event()
+    run, other = heavier_transaction("semaphore:dl#1", "semaphore:dl#0", holds_1, asks_0)
+    thread = threading.Thread(target=run)
     thread.start()
     got: list[Any] = []
 
@@ -136,18 +150,7 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
     try:
         assert holds_1.wait(30)
         taker.start()  # locks permit 0, then waits for permit 1
-
-        def take_waits() -> bool:
-            # InnoDB refreshes this view only when nobody read it for 0.1 s
-            time.sleep(0.2)
-            with connections[ALIAS].cursor() as cur:
-                cur.execute(
-                    "SELECT count(*) FROM information_schema.innodb_trx "
-                    "WHERE trx_state = 'LOCK WAIT'"
-                )
-                return bool(cur.fetchone()[0])
-
-        wait_until(take_waits)
+        wait_until(a_transaction_waits)
         asks_0.set()  # the cycle: InnoDB picks a victim at once
     finally:
         asks_0.set()
@@ -156,3 +159,44 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
     assert not other, other  # the heavier transaction was not the victim
     assert got == [True], got
     assert not isinstance(got[0], OperationalError)
+
+
+def test_a_cleanup_batch_chosen_as_a_deadlock_victim_runs_again():
+    """A cleanup batch deletes free rows in ``id`` order; a transaction locking
+    them in the other order makes a deadlock, InnoDB rolls the lighter one back
+    (the batch, which has written nothing), and the batch runs again."""
+    from django_dlock.cleanup import delete_free
+
+    with connections[ALIAS].cursor() as cur:
+        for name in ("dl-free-1", "dl-free-2"):  # in id order
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
+                [name],
+            )
+    holds_2, asks_1 = threading.Event(), threading.Event()
+    run, other = heavier_transaction("dl-free-2", "dl-free-1", holds_2, asks_1)
+    thread = threading.Thread(target=run)
+    thread.start()
+    got: list[Any] = []
+
+    def clean() -> None:
+        try:
+            got.append(delete_free(using=ALIAS))
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            connections.close_all()
+
+    cleaner = threading.Thread(target=clean)
+    try:
+        assert holds_2.wait(30)
+        cleaner.start()  # deletes row 1, then waits for row 2
+        wait_until(a_transaction_waits)
+        asks_1.set()  # the cycle: InnoDB picks a victim at once
+    finally:
+        asks_1.set()
+        thread.join(60)
+        cleaner.join(60)
+    assert not other, other  # the heavier transaction was not the victim
+    assert got == [2], got

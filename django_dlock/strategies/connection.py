@@ -808,22 +808,45 @@ def execute(
 
 
 #: how many times a short transaction of the library's own runs when
-#: MySQL/MariaDB picks it as a deadlock's victim
+#: the database picks it as a deadlock's victim
 DEADLOCK_RETRIES = 5
 
 
 def deadlocked(exc: BaseException) -> bool:
-    """Whether ``exc`` says that MySQL/MariaDB rolled back the statement's
-    transaction to break a deadlock (error 1213). InnoDB treats deadlocks
-    between short transactions as a normal event: the victim did nothing,
-    and is expected to run again."""
+    """Whether ``exc`` says that the database rolled back the statement's
+    transaction to break a deadlock (MySQL/MariaDB error 1213, PostgreSQL's
+    ``deadlock_detected``). Both treat a deadlock between short transactions
+    as a normal event: the victim did nothing, and is expected to run again."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] == _MYSQL_DEADLOCK
+    if args and args[0] == _MYSQL_DEADLOCK:
+        return True
+    # (PyMySQL's errors have a ``sqlstate`` too: 40001 for a deadlock)
+    state = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    return state == _PG_DEADLOCK
 
 
 #: MySQL/MariaDB's ER_LOCK_DEADLOCK
 _MYSQL_DEADLOCK = 1213
+#: PostgreSQL's deadlock_detected
+_PG_DEADLOCK = "40P01"
+
+
+def again_if_deadlocked(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
+    """``run()``, a statement that is a transaction of its own on ``connection``,
+    run again when the database rolls it back to break a deadlock: it wrote
+    nothing. For a statement that locks several rows, in an order another
+    statement may not share (a cleanup batch deletes rows in the order they
+    lie in the table; a ticket flags a semaphore's permit rows in slot order).
+    Inside the caller's transaction a deadlock rolls back more than the
+    statement: it is raised as it is."""
+    for _attempt in range(DEADLOCK_RETRIES - 1):
+        try:
+            return run()
+        except OperationalError as exc:
+            if connection.in_atomic_block or not deadlocked(exc):
+                raise
+    return run()
 
 
 def may_prepare(connection: BaseDatabaseWrapper) -> bool:

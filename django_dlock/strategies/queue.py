@@ -81,7 +81,13 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock
 from django_dlock.strategies.base import Request
-from django_dlock.strategies.connection import cursor, execute, fetch_one, with_reconnect
+from django_dlock.strategies.connection import (
+    again_if_deadlocked,
+    cursor,
+    execute,
+    fetch_one,
+    with_reconnect,
+)
 from django_dlock.tables import LOCK_TABLE, WAITER_TABLE
 from django_dlock.validation import ticket_ttl_error
 
@@ -180,7 +186,10 @@ def enqueue(req: Request) -> int:
     def run(connection: BaseDatabaseWrapper) -> int:
         if connection.vendor == "postgresql":
             flagged = [flagged_rows(req), req.key.name, req.token, req.owner, ttl]
-            found = fetch_one(connection, _PG_ENQUEUE, flagged)
+            # (a cleanup may lock a semaphore's permit rows in another order)
+            found = again_if_deadlocked(
+                connection, lambda: fetch_one(connection, _PG_ENQUEUE, flagged)
+            )
             return int(found[0])
         now = dbclock.now_sql(connection)
         now_plus = dbclock.now_plus_sql(connection)
@@ -256,7 +265,7 @@ def beat(req: Request, ticket: int) -> None:
         params = [ticket, req.key.name, req.token, req.owner, ticket_ttl()]
         if connection.vendor == "postgresql":  # the key's row says so again, if it is there
             sql, params = f"WITH flagged AS ({_PG_REFLAG}) {sql}", [flagged_rows(req), *params]
-        execute(connection, sql, params)
+        again_if_deadlocked(connection, lambda: execute(connection, sql, params))
 
     with_reconnect(req.alias, run)
 
