@@ -64,14 +64,16 @@ def a_transaction_waits() -> bool:
         return bool(cur.fetchone()[0])
 
 
-def heavier_transaction(
-    first: str, then: str, holds: threading.Event, asks: threading.Event
-) -> tuple[Callable[[], None], list[BaseException]]:
-    """A function that writes rows (so that InnoDB never picks it as a deadlock's
-    victim), locks the row ``first``, and once ``asks`` is set the row ``then``."""
+def in_a_deadlock(first: str, then: str, victim: Callable[[], Any]) -> list[Any]:
+    """What ``victim()`` returned (or raised), run in a thread against a heavier
+    transaction that locks the row ``first``, waits until ``victim`` waits for
+    it, then asks for the row ``then``: a deadlock if ``victim`` holds it.
+    The heavier transaction writes rows first, so that InnoDB never picks it
+    as the deadlock's victim."""
+    holds, asks = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
-    def run() -> None:
+    def heavier() -> None:
         try:
             with transaction.atomic(using=ALIAS), connections[ALIAS].cursor() as cur:
                 for i in range(50):
@@ -90,7 +92,29 @@ def heavier_transaction(
         finally:
             connections.close_all()
 
-    return run, errors
+    got: list[Any] = []
+
+    def run_victim() -> None:
+        try:
+            got.append(victim())
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=heavier), threading.Thread(target=run_victim)]
+    threads[0].start()
+    try:
+        assert holds.wait(30)
+        threads[1].start()
+        wait_until(a_transaction_waits)
+        asks.set()  # the cycle: InnoDB picks a victim at once
+    finally:
+        asks.set()
+        for thread in threads:
+            thread.join(60)
+    assert not errors, errors  # the heavier transaction was not the victim
+    return got
 
 
 def updates(seen: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -130,33 +154,14 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
     has written nothing), and the take runs again and gets its permit."""
     with dlock.semaphore("dl", permits=3, using=ALIAS):  # the permits' rows exist
         pass
-    holds_1, asks_0 = threading.Event(), threading.Event()
-    run, other = heavier_transaction("semaphore:dl#1", "semaphore:dl#0", holds_1, asks_0)
-    thread = threading.Thread(target=run)
-    thread.start()
-    got: list[Any] = []
 
-    def take() -> None:
-        try:
-            sem = dlock.semaphore("dl", permits=3, using=ALIAS, ttl=30)
-            got.append(sem.acquire(timeout=0))
-            sem.release()
-        except BaseException as exc:
-            got.append(exc)
-        finally:
-            connections.close_all()
+    def take() -> bool:  # locks permit 0, then waits for permit 1
+        sem = dlock.semaphore("dl", permits=3, using=ALIAS, ttl=30)
+        taken = sem.acquire(timeout=0)
+        sem.release()
+        return taken
 
-    taker = threading.Thread(target=take)
-    try:
-        assert holds_1.wait(30)
-        taker.start()  # locks permit 0, then waits for permit 1
-        wait_until(a_transaction_waits)
-        asks_0.set()  # the cycle: InnoDB picks a victim at once
-    finally:
-        asks_0.set()
-        thread.join(60)
-        taker.join(60)
-    assert not other, other  # the heavier transaction was not the victim
+    got = in_a_deadlock("semaphore:dl#1", "semaphore:dl#0", take)
     assert got == [True], got
     assert not isinstance(got[0], OperationalError)
 
@@ -174,29 +179,6 @@ def test_a_cleanup_batch_chosen_as_a_deadlock_victim_runs_again():
                 "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
                 [name],
             )
-    holds_2, asks_1 = threading.Event(), threading.Event()
-    run, other = heavier_transaction("dl-free-2", "dl-free-1", holds_2, asks_1)
-    thread = threading.Thread(target=run)
-    thread.start()
-    got: list[Any] = []
-
-    def clean() -> None:
-        try:
-            got.append(delete_free(using=ALIAS))
-        except BaseException as exc:
-            got.append(exc)
-        finally:
-            connections.close_all()
-
-    cleaner = threading.Thread(target=clean)
-    try:
-        assert holds_2.wait(30)
-        cleaner.start()  # deletes row 1, then waits for row 2
-        wait_until(a_transaction_waits)
-        asks_1.set()  # the cycle: InnoDB picks a victim at once
-    finally:
-        asks_1.set()
-        thread.join(60)
-        cleaner.join(60)
-    assert not other, other  # the heavier transaction was not the victim
+    # the batch deletes row 1, then waits for row 2
+    got = in_a_deadlock("dl-free-2", "dl-free-1", lambda: delete_free(using=ALIAS))
     assert got == [2], got
