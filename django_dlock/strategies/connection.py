@@ -26,8 +26,12 @@ A direct connection needs no watch while its server answers (the server
 ends a lock wait itself), but a server that stops answering altogether (a
 frozen VM, a stalled disk) would keep a statement, and the caller, waiting
 past any timeout. So the lock statements of an acquire with a timeout are
-watched on direct connections too, with :data:`DIRECT_GRACE` more time: a
-statement still unanswered then is given up the same way.
+given up on direct connections too, with :data:`DIRECT_GRACE` more time: a
+statement still unanswered then is given up the same way. A statement
+prepared on a direct connection is not watched by the watchdog thread: its
+own thread waits for the answer, no longer than that (libpq's asynchronous
+calls and ``poll``), so that a process sending many statements wakes no
+other thread.
 
 Whether a connection goes through a pooler at all is found out here too
 (:func:`behind_pooler`): that question is itself a watched statement, and
@@ -42,6 +46,7 @@ import heapq
 import itertools
 import os
 import re
+import select
 import socket
 import threading
 import time
@@ -86,7 +91,6 @@ __all__ = [
     "unwatched",
     "uses_django_pool",
     "watch_end",
-    "watched_direct",
     "watched_raw",
     "with_reconnect",
 ]
@@ -323,11 +327,7 @@ def watched_raw(raw: Any, run: Callable[[], T], grace: float = 0.0, cancel: bool
     end = _deadline.get()
     if end is None or raw is None:
         return run()
-    now = time.monotonic()
-    # a statement sent before the deadline is given up at it; one sent after it
-    # (giving back a place or a ticket once the acquire has failed) still gets
-    # one round trip
-    watch = _Watch(raw, (end if now < end else now + STATEMENT_FLOOR) + grace, cancel)
+    watch = _Watch(raw, given_up_at(end) + grace, cancel)
     _watchdog.add(watch)
     error: BaseException | None = None
     try:
@@ -347,10 +347,12 @@ def watched_raw(raw: Any, run: Callable[[], T], grace: float = 0.0, cancel: bool
     return result
 
 
-def watched_direct(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
-    """``run()``, one lock statement on a direct connection, given up if its server
-    has not answered :data:`DIRECT_GRACE` after the current deadline."""
-    return _watched(connection, run, DIRECT_GRACE, cancel=False)
+def given_up_at(end: float) -> float:
+    """When a statement sent now, in an acquire whose statements end at ``end``,
+    is given up: at ``end`` if sent before it; one sent after it (giving back a
+    place or a ticket once the acquire has failed) still gets one round trip."""
+    now = time.monotonic()
+    return end if now < end else now + STATEMENT_FLOOR
 
 
 def deadline_end() -> float | None:
@@ -788,11 +790,16 @@ def execute(
     never be taken for a caller that already gave up.
     """
     if may_prepare(connection):
-        if _deadline.get() is None:
+        end = _deadline.get()
+        if end is None:
             return _execute_prepared(connection, sql, params)
         # an acquire with a timeout: a server that stopped answering must not
         # keep the caller past it
-        return watched_direct(connection, lambda: _execute_prepared(connection, sql, params))
+        try:
+            return _execute_prepared(connection, sql, params, given_up_at(end) + DIRECT_GRACE)
+        except Abandoned:
+            connection.close()
+            raise
     if connection.vendor == "sqlite" and deadline_end() is not None:
         return _sqlite_within_deadline(connection, sql, params, takes_lock)
     with cursor(connection) as cur:
@@ -996,21 +1003,30 @@ class _Session:
         self.prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}
 
 
-def _execute_prepared(connection: BaseDatabaseWrapper, sql: str, params: Params) -> tuple[Any, int]:
+def _execute_prepared(
+    connection: BaseDatabaseWrapper, sql: str, params: Params, until: float | None = None
+) -> tuple[Any, int]:
     """Run ``sql`` as a statement prepared on the server session, sent
     through libpq itself (psycopg's ``pgconn``): the parameters and the row
     are adapted by psycopg as its cursor would, without the cursor's own
     work, which costs as much client time as the statement's round trip.
     A connection in the caller's transaction (autocommit off: psycopg begins
     it, and keeps its own prepared statements in step with its rollbacks),
-    or in pipeline mode, goes through a psycopg cursor instead."""
+    or in pipeline mode, goes through a psycopg cursor instead.
+
+    ``until``: a ``time.monotonic()`` at which a statement still unanswered
+    is given up (:class:`Abandoned`; the caller closes the connection)."""
     try:
         if connection.connection is None:
             connection.ensure_connection()
         raw = connection.connection
         pgconn = raw.pgconn
         if not raw.autocommit or pgconn.pipeline_status:
-            return _execute_with_cursor(connection, raw, sql, params)
+            if until is None:
+                return _execute_with_cursor(connection, raw, sql, params)
+            return watched_raw(
+                raw, lambda: _execute_with_cursor(connection, raw, sql, params), DIRECT_GRACE, False
+            )
         # kept on Django's wrapper (one per thread), for the driver connection it has now
         session: _Session | None = connection.__dict__.get("_dlock_session")
         if session is None or session.raw is not raw:
@@ -1029,11 +1045,19 @@ def _execute_prepared(connection: BaseDatabaseWrapper, sql: str, params: Params)
                 for _attempt in range(2):
                     if name is None:
                         name = b"dlock_%d" % len(session.prepared)
-                        made = pgconn.prepare(name, numbered(sql).sql, types)
+                        if until is None:
+                            made = pgconn.prepare(name, numbered(sql).sql, types)
+                        else:
+                            pgconn.send_prepare(name, numbered(sql).sql, types)
+                            made = _answer(pgconn, until)
                         if made.status != _COMMAND_OK:
                             raise _error(raw, made)
                         session.prepared[key] = name
-                    result = pgconn.exec_prepared(name, dumped, adapt.formats)
+                    if until is None:
+                        result = pgconn.exec_prepared(name, dumped, adapt.formats)
+                    else:
+                        pgconn.send_query_prepared(name, dumped, adapt.formats)
+                        result = _answer(pgconn, until)
                     if (
                         result.error_field(_SQLSTATE) != b"26000"
                         or pgconn.transaction_status != _IDLE
@@ -1059,6 +1083,35 @@ def _execute_prepared(connection: BaseDatabaseWrapper, sql: str, params: Params)
                 raise
     except DatabaseError as exc:
         _failed(connection, exc)
+
+
+def _answer(pgconn: Any, until: float) -> Any:
+    """The last result of the statement just sent on ``pgconn``, waited for in
+    this thread until ``until`` at the latest (:class:`Abandoned` then)."""
+    fileno = pgconn.socket
+    while pgconn.flush():  # (a statement of ours fits in the socket's buffer)
+        _ready(fileno, select.POLLOUT, until)
+    result = None
+    while True:
+        while pgconn.is_busy():
+            _ready(fileno, select.POLLIN, until)
+            pgconn.consume_input()
+        found = pgconn.get_result()
+        if found is None:
+            return result
+        result = found
+
+
+def _ready(fileno: int, events: int, until: float) -> None:
+    """Wait until ``fileno`` is ready for ``events``, or raise :class:`Abandoned` at ``until``."""
+    poll = select.poll()
+    poll.register(fileno, events)
+    while not poll.poll(max(0.0, until - time.monotonic()) * 1000):
+        if time.monotonic() >= until:
+            raise Abandoned(
+                "a lock statement got no answer by the lock's deadline (a server "
+                "that stopped answering); its connection was closed"
+            )
 
 
 def _error(raw: Any, result: Any) -> Exception:

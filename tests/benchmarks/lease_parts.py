@@ -236,7 +236,7 @@ def lean_front() -> Callable[[], None]:
     Kept: the key's validation and cache, the arguments' checks, the database
     alias and the strategy resolved, the holder and its table of holdings
     (re-entry refused, not counted), the request's token and owner, the
-    statement's watch (a try-once's deadline), the lock connection and its
+    statement's deadline (a try-once's), the lock connection and its
     reconnect, the prepared statements, a ``Holding`` taken and released as
     the lock does it (signals and log checks included). Left out: the
     ``Lock`` and its options value per call, the acquiring walk and its
@@ -253,10 +253,9 @@ def lean_front() -> Callable[[], None]:
     from django_dlock.strategies.base import Request
     from django_dlock.strategies.connection import (
         DIRECT_GRACE,
-        _deadline,
         _execute_prepared,
+        given_up_at,
         watch_end,
-        watched_raw,
         with_reconnect,
     )
     from django_dlock.strategies.lease.sql import PG_ACQUIRE_SQL
@@ -281,19 +280,12 @@ def lean_front() -> Callable[[], None]:
         sql = PG_ACQUIRE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
         params = [key.name, req.token, req.owner, ttl, queue.NEWCOMER, queue.NEWCOMER]
 
-        def send(connection: Any) -> tuple[Any, int]:
-            return watched_raw(
-                connection.connection,
-                lambda: _execute_prepared(connection, sql, params),
-                DIRECT_GRACE,
-                False,
-            )
+        end = watch_end(deadline, sent_at)
 
-        watching = _deadline.set(watch_end(deadline, sent_at))
-        try:
-            (row, _), _ = with_reconnect(alias, send)
-        finally:
-            _deadline.reset(watching)
+        def send(connection: Any) -> tuple[Any, int]:
+            return _execute_prepared(connection, sql, params, given_up_at(end) + DIRECT_GRACE)
+
+        (row, _), _ = with_reconnect(alias, send)
         if row is None:
             raise RuntimeError("uncontended acquire failed")
         holding = holdings.Holding(req, strategy, int(row[0]), dlock.Lock)
