@@ -119,11 +119,24 @@ class Attempt:
         return None
 
     def hold(self, req: Request, grant: Grant, sent_at: float) -> None:
-        """Record the key of ``req`` as acquired by a statement sent at ``sent_at``."""
+        """Record the key of ``req`` as acquired by ``grant``, asked for at ``sent_at``.
+
+        A lease is counted from the statement that granted it: the
+        grant's own send time when the strategy waited first (a waiter
+        granted after a queue wait longer than its ttl must not count its
+        lease as run out), else ``sent_at``. A lock without a lease (a
+        session's, a transaction's) is counted from now, when it was granted.
+        """
         opts = self.opts
-        made = Holding(req, opts.strategy, grant.fence, opts.signal_sender, on_lost=opts.on_lost)
+        strategy = opts.strategy
+        made = Holding(req, strategy, grant.fence, opts.signal_sender, on_lost=opts.on_lost)
         renewal = Renewal(opts.ttl, opts.max_hold) if opts.renew else None
-        wait = time.monotonic() - self.deadline.start  # (deadline.elapsed(), inline)
+        now = time.monotonic()
+        wait = now - self.deadline.start  # (deadline.elapsed(), inline)
+        if grant.sent_at is not None:
+            sent_at = grant.sent_at
+        elif not strategy.leased:
+            sent_at = now
         holdings.take(self.holder, made, sent_at=sent_at, wait=wait, renewal=renewal)
         self.taken.append(req.key)
 

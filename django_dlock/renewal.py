@@ -19,7 +19,8 @@ all (a server that stopped answering, a network that drops packets), the
 lock is lost when the lease would have run out: each renewal runs on a
 worker thread of the renewer, which waits for it only until then. "Would
 have run out" is measured on this process's monotonic clock from the moment
-the last successful statement was *sent* (the acquire, then each renewal):
+the last successful statement was *sent* (the statement that granted the
+lease, then each renewal; for a waiter, its last try, not its first):
 the database stamped that lease at or after then, so it cannot have lasted
 longer. Either way ``on_lost(reason)`` is called once, from the renewer's
 thread. The worker closes its database connection when the renewer ends,

@@ -20,6 +20,7 @@ checks that the loss is reported exactly once (``lock_lost`` signal and
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import connections
@@ -265,3 +266,49 @@ def test_loss_table(strategy, alias, state, operation):
     finally:
         taker.stop()
         signals.lock_lost.disconnect(losses.receiver)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "q1", "q2", "q3"])
+def test_a_quorum_waiter_that_waited_longer_than_its_ttl_keeps_its_lease():
+    """A quorum's lease is counted from the round that was granted, not from
+    when its rounds began: a renewed waiter granted after waiting longer than
+    its ttl is not reported lost."""
+    from django_dlock.strategies import quorum
+
+    using = ["q1", "q2", "q3"]
+    ttl = 2.0
+    losses: list[dlock.LockLost] = []
+    result: dict[str, object] = {}
+    started, granted, checked = threading.Event(), threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        try:
+            lk = dlock.lock("quorum-wait", using=using, ttl=ttl, renew=True, on_lost=losses.append)
+            started.set()
+            result["got"] = lk.acquire(timeout=60)
+            granted.set()
+            checked.wait(60)
+            result["lost"] = lk.lost
+            lk.release()  # LockLost if it was reported lost
+            result["released"] = True
+        finally:
+            started.set()
+            granted.set()
+            connections.close_all()
+
+    holder = dlock.lock("quorum-wait", using=using, ttl=30)
+    assert holder.acquire(timeout=0)
+    try:
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert started.wait(30)
+        time.sleep(ttl + 0.5)  # the waiter's rounds have run for longer than its ttl
+    finally:
+        holder.release()
+    assert granted.wait(60)
+    time.sleep(ttl / 2)  # past its first renewal, before its lease could end
+    checked.set()
+    thread.join(60)
+    quorum.close_all()
+    assert result == {"got": True, "lost": False, "released": True}
+    assert losses == []

@@ -42,6 +42,10 @@ class Grant(NamedTuple):
     """
 
     fence: int | None
+    #: monotonic time the statement that granted a lease was sent, when it
+    #: was not the acquire's first (a waiter's last try, a quorum's last
+    #: round): the lease is counted from it. ``None``: from the acquire's start.
+    sent_at: float | None = None
 
 
 @dataclass(slots=True)

@@ -158,3 +158,56 @@ def test_a_cancelled_async_wait_leaves_nothing_waiting_or_held(cell):
         holder.release()
     wait_until(lambda: not cell.lock("acancel").locked())
     assert cell.try_once("acancel") is True
+
+
+@pytest.mark.parametrize("two_phase", [False, True], ids=["acquire", "enqueue-wait"])
+@pytest.mark.parametrize("cell", RELEASED)
+def test_a_waiter_that_waited_longer_than_its_ttl_keeps_the_lease_it_was_granted(cell, two_phase):
+    """A renewed lock granted after a wait longer than its ttl is not reported
+    lost: its lease is counted from the statement that granted it, not from
+    when the wait began (which would put its end in the past at once)."""
+    if two_phase and cell.session and cell.vendor == "mysql":
+        pytest.skip("GET_LOCK keeps no place in a queue: no enqueue()/wait()")
+    ttl = 2.0
+    holder = HeldElsewhere(cell, "long-wait")
+    losses: list[dlock.LockLost] = []
+    result: dict[str, Any] = {}
+    granted, checked, queued = threading.Event(), threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        try:
+            lk = cell.lock("long-wait", ttl=ttl, renew=True, on_lost=losses.append)
+            if two_phase:
+                result["queued"] = lk.enqueue() is False
+                queued.set()
+                result["got"] = lk.wait(60)
+            else:
+                result["got"] = lk.acquire(timeout=60)
+            granted.set()
+            checked.wait(60)  # the renewer's first renewals run meanwhile
+            result["lost"] = lk.lost
+            result["owned"] = lk.owned()
+            lk.release()  # raises LockLost if it was reported lost
+            result["released"] = True
+        finally:
+            granted.set()
+            queued.set()
+            close_private_connections()
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    if two_phase:
+        assert queued.wait(60)
+    else:
+        cell.wait_for_waiters("long-wait", 1)
+    time.sleep(ttl + 0.5)  # the waiter now waits for longer than its own ttl
+    holder.release()
+    assert granted.wait(60)
+    # Past its first renewal (a third of the ttl), well before its lease could end.
+    time.sleep(ttl / 2)
+    checked.set()
+    thread.join(60)
+    expected = {"got": True, "lost": False, "owned": True, "released": True}
+    assert result == ({"queued": True, **expected} if two_phase else expected)
+    assert losses == []

@@ -125,6 +125,9 @@ class Place:
 
     ticket: int
     renewed: float = field(default_factory=time.monotonic)
+    #: when its last try was sent: a try that is granted sets the lease
+    #: from then on the database clock
+    tried_at: float | None = None
     #: its place in the queue was read (for a trace)
     placed: bool = False
 
@@ -214,7 +217,7 @@ class TicketWait:
         finally:
             if self.listen is not None:
                 self.listen.unregister(payload, self.waiter)
-        return None if fence is None else Grant(fence)
+        return None if fence is None else Grant(fence, self.place.tried_at)
 
 
 def plan(
@@ -276,6 +279,7 @@ def step(kind: str, place: Place, req: Request, turns: Turns) -> Any:
     try:
         if kind == "try":
             acquire_notes.tried()
+            place.tried_at = time.monotonic()
             return turns.try_acquire(req, place.ticket)
         if not place.placed:
             place.placed = True

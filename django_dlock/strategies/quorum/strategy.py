@@ -239,7 +239,7 @@ class QuorumLease:
                 self._held[(req.token, req.key.name)] = _Held(
                     token, frozenset(raised), validity_end, first.futures
                 )
-            return Grant(fence)
+            return Grant(fence, started)
         # Given back before the next round: left to the background, a lease
         # could still be there when the caller's next round asks, and refuse
         # it (each round has its own token).
