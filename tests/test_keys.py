@@ -90,3 +90,11 @@ def test_a_key_with_the_reader_infix_cannot_keep_writers_of_another_key_out():
         dlock.lock("doc#reader:0123456789abcdef", ttl=30).acquire(timeout=0)
     with dlock.lock("doc", ttl=30, timeout=0):  # nobody reads "doc"
         pass
+
+
+def test_a_key_rendered_from_request_data_with_the_reader_infix_is_hashed():
+    from django_dlock._http import fit_key
+
+    rendered = fit_key("doc:x#reader:0123456789abcdef")
+    assert rendered.startswith("sha256:"), rendered
+    assert make_key(rendered).name == f"lock:{rendered}"
