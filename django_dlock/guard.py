@@ -138,14 +138,13 @@ def pinned(
         if not _session_ended(connection, exc):
             raise
         # The server ended the session: it stayed silent inside the guarded
-        # transaction for as long as the lease lasts (see _bounded), and the
-        # transaction rolled back.
+        # transaction for as long as the lease lasts (see _bounded), or it was
+        # terminated; the transaction rolled back.
         connection.close()
         ended()
         raise LockLost(
-            f"the guarded writes under {names} were rolled back: the server ended "
-            "the session of their transaction, which stayed silent for longer than the "
-            f"lease ({reqs[0].ttl:g} s)"
+            f"the guarded writes under {names} were rolled back: "
+            f"{_why_ended(connection, exc, reqs[0].ttl)}"
         ) from exc
 
 
@@ -172,6 +171,31 @@ def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
         # gone away, lost the connection, disconnected for inactivity (MySQL 8)
         return code in (2006, 2013, 4031)
     return False
+
+
+def _why_ended(connection: BaseDatabaseWrapper, exc: BaseException, ttl: float) -> str:
+    """How the server ended the session of a guarded transaction, in words."""
+    idle = (
+        "the server ended the session of their transaction, which stayed silent inside "
+        f"it for longer than the lease ({ttl:g} s)"
+    )
+    if connection.vendor == "postgresql":
+        from django_dlock.strategies._pg import sqlstate
+
+        if sqlstate(exc) == "25P03":
+            return idle
+        return (
+            "the session of their transaction was ended by the server (terminated by an "
+            "administrator, e.g. pg_terminate_backend, or the server shut down)"
+        )
+    code = getattr(exc.__cause__, "args", (None,))[0]
+    if code == 4031:
+        return idle
+    return (
+        "the session of their transaction was ended: it was killed (KILL), the connection "
+        "to the server was lost, or it stayed silent for longer than the lease "
+        f"({ttl:g} s) and the server closed it"
+    )
 
 
 @contextlib.contextmanager

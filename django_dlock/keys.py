@@ -56,6 +56,13 @@ LockKey = KeyLike | list[KeyLike] | set[KeyLike] | frozenset[KeyLike]
 
 NAMESPACES = ("lock", "task", "leader", "semaphore")
 
+#: parts of a stored name that the library writes for rows of its own, and
+#: what they name. A key containing one (in any case: MySQL/MariaDB compare
+#: names without case) could name such a row of another key, so it is refused.
+RESERVED_INFIXES = {
+    "#reader:": "a read-write lock's readers hold their key in rows named '<key>#reader:<holder>'",
+}
+
 
 @dataclass(frozen=True, order=True)
 class Key:
@@ -106,6 +113,16 @@ def _check_string(value: str, what: str) -> None:
         raise InvalidLockKey(f"{what} is not valid unicode text: {exc}") from None
 
 
+def _check_reserved(value: str) -> None:
+    folded = value.casefold()
+    for infix, why in RESERVED_INFIXES.items():
+        if infix in folded:
+            raise InvalidLockKey(
+                f"a lock key must not contain {infix!r}, which is reserved ({why}): "
+                f"{value!r} could name such a row of another key"
+            )
+
+
 def _part(value: object, index: int) -> tuple[str, int]:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidLockKey(
@@ -139,8 +156,9 @@ def make_key(key: Any, namespace: str = "lock") -> Key:
     """Validate ``key`` and return its namespaced :class:`Key`.
 
     Raises:
-        InvalidLockKey: the key is empty, too long, has a NUL byte, is of a
-            type that is not a key, or a part is out of the int4 range.
+        InvalidLockKey: the key is empty, too long, has a NUL byte, contains
+            a reserved part (:data:`RESERVED_INFIXES`), is of a type that is
+            not a key, or a part is out of the int4 range.
     """
     if type(key) is str:
         made = _MADE.get((namespace, key))
@@ -160,6 +178,7 @@ def _make_key(key: Any, namespace: str) -> Key:
         key = model_key(key)
     if isinstance(key, str):
         _check_string(key, "a lock key")
+        _check_reserved(key)
         name = f"{namespace}:{key}"
         return Key(name=name, advisory=(hash64(name),))
     if isinstance(key, tuple):

@@ -57,6 +57,7 @@ from django_dlock.conf import UNSET, FromSetting, RetryInterval, checked, conf, 
 from django_dlock.exceptions import (
     DatabaseUnavailable,
     DLockError,
+    GuardNotSupported,
     InvalidLockKey,
     LockLost,
     LockNotOwned,
@@ -378,6 +379,13 @@ class Lock(Generic[_OnFailT]):
         name = self.strategy_name
         strategy = self._strategy(alias)  # (a semaphore's: with its permits)
         if self.shared:
+            if self._quorum is not None:
+                raise StrategyNotSupported(
+                    f"a quorum lock (using={list(self._quorum)!r}: a lease on a majority of "
+                    "those databases) has no shared locks: shared=True needs one database "
+                    "(the lease strategy, or advisory or advisory_xact on PostgreSQL); take "
+                    "the quorum lock exclusively instead"
+                )
             if not strategy.shares:
                 raise StrategyNotSupported(
                     f"the {self.strategy_name} strategy on {alias!r} has no shared locks: "
@@ -784,7 +792,9 @@ class Lock(Generic[_OnFailT]):
                 another database than the lock's.
         """
         _refuse_in_event_loop(self, "guard()", "`await lk.aguard(func)`")
-        return guarded(self._all_held(), using)
+        held = self._all_held()
+        self._refuse_quorum_guard(held)
+        return guarded(held, using)
 
     async def aguard(self, func: Callable[[], R], using: str | None = None) -> R:
         """Async :meth:`guard`: run ``func()`` in a guarded transaction; its result.
@@ -797,6 +807,7 @@ class Lock(Generic[_OnFailT]):
                 await lk.aguard(lambda: Invoice.objects.filter(pk=42).update(total=total))
         """
         held = self._all_held()  # the calling task's holdings
+        self._refuse_quorum_guard(held)
 
         def run() -> R:
             with guarded(held, using):
@@ -804,6 +815,19 @@ class Lock(Generic[_OnFailT]):
 
         result: R = await sync_to_async(run)()
         return result
+
+    def _refuse_quorum_guard(self, held: list[Holding]) -> None:
+        """A quorum lock lives on several databases: no one transaction keeps it."""
+        if self._quorum is None:
+            return
+        names = ", ".join(repr(holding.request.key.name) for holding in held)
+        raise GuardNotSupported(
+            f"{names} is a quorum lock (using={list(self._quorum)!r}: a lease on a majority "
+            "of those databases), which no transaction on one database keeps: nothing can "
+            "make a write commit only while it is held. Pass the lock's fence to the writes "
+            "and reject stale ones (see Fencing in the django-dlock docs), or hold the lock "
+            "on one database"
+        )
 
     # -- inspection (asks the database) -----------------------------------------
 

@@ -21,8 +21,8 @@ The first rule whose ``path`` regex matches ``request.path_info``
 request's method applies. Its ``key`` template may use:
 
 * ``{user}``: the user's primary key; for an anonymous user
-  ``anon:<session key>`` (a session is created if there is none yet);
-* ``{session}``: the session key (created if needed);
+  ``anon:<session digest>`` (a session is created if there is none yet);
+* ``{session}``: the session digest (the session is created if needed);
 * ``{ip}``: ``REMOTE_ADDR`` (set it correctly behind a proxy);
 * ``{path}``: ``request.path_info``; ``{method}``: the HTTP method;
 * any other name: the URL kwarg of that name (from resolving the path).
@@ -35,8 +35,13 @@ after ``CsrfViewMiddleware`` (the system check ``dlock.W023`` says so). The
 lock is released when the response comes back (streaming responses: when
 they are closed). Contention answers like :func:`~django_dlock.decorators.with_lock`:
 ``423`` with ``Retry-After`` by default. The 423 body names the rule's
-``name`` if it has one, else the request path, never the rendered key (which
-may contain a session key).
+``name`` if it has one, else the request path, never the rendered key.
+
+A session key is a credential, and a lock's name is stored in clear, logged
+and shown by ``dlock_list`` and the admin: so a rule never puts the session
+key itself in a name, but :func:`session_digest` of it, a digest keyed with
+``SECRET_KEY`` that is the same for the same session and says nothing about
+the key.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_asy
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponseBase
 from django.urls import Resolver404, resolve
+from django.utils.crypto import salted_hmac
 from django.utils.module_loading import import_string
 
 from django_dlock._http import (
@@ -75,7 +81,7 @@ from django_dlock.validation import (
     ttl_error,
 )
 
-__all__ = ["LockMiddleware", "Rule", "compile_rules"]
+__all__ = ["LockMiddleware", "Rule", "compile_rules", "session_digest"]
 
 MIDDLEWARE_PATH = "django_dlock.middleware.LockMiddleware"
 CSRF_MIDDLEWARE = "django.middleware.csrf.CsrfViewMiddleware"
@@ -83,6 +89,8 @@ CSRF_MIDDLEWARE = "django.middleware.csrf.CsrfViewMiddleware"
 HELD_ATTR = "_dlock_middleware_held"
 SESSION_MIDDLEWARE = "django.contrib.sessions.middleware.SessionMiddleware"
 AUTH_MIDDLEWARE = "django.contrib.auth.middleware.AuthenticationMiddleware"
+#: the HMAC salt of session digests in lock names
+SESSION_SALT = "django_dlock.middleware.session"
 
 BUILTIN_NAMES = frozenset({"user", "session", "ip", "path", "method"})
 RULE_KEYS = frozenset(
@@ -153,7 +161,7 @@ class Rule:
             if ip:
                 values["ip"] = ip
         if "session" in names:
-            values["session"] = _session_key(request, self)
+            values["session"] = session_digest(_session_key(request, self))
         if "user" in names:
             user = getattr(request, "user", None)
             if user is None:
@@ -164,7 +172,7 @@ class Rule:
             if user.is_authenticated:
                 values["user"] = user.pk
             else:
-                values["user"] = "anon:" + _session_key(request, self)
+                values["user"] = "anon:" + session_digest(_session_key(request, self))
         return values
 
     def lock(self, request: HttpRequest) -> Lock | None:
@@ -186,6 +194,20 @@ class Rule:
             lock=lk,
             retry_after=self.retry_after,
         )
+
+
+def session_digest(session_key: str) -> str:
+    """What stands for a session in a lock name: never the session key itself.
+
+    A session key is a credential (whoever reads it can use the session),
+    and lock names are stored in clear, logged, and shown by ``dlock_list``
+    and the admin. This is an HMAC of the key with ``SECRET_KEY`` (Django's
+    ``salted_hmac``), 128 bits in hex: stable for one session, different for
+    two sessions, and no help to whoever wants to find the key. It changes
+    when ``SECRET_KEY`` does (a lock held across such a change is held under
+    the old name until it ends).
+    """
+    return salted_hmac(SESSION_SALT, session_key, algorithm="sha256").hexdigest()[:32]
 
 
 def _session_key(request: HttpRequest, rule: Rule) -> str:

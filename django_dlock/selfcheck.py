@@ -36,6 +36,9 @@ from typing import Any
 
 __all__ = ["Verdict", "selfcheck"]
 
+#: seconds the wake-ups check waits for a notification to come back
+WAKE_UP_WAIT = 10.0
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -158,8 +161,13 @@ def _sessions(alias: str, strategy: str) -> Verdict | None:
 
 
 def _wake_ups(alias: str, strategy: str) -> Verdict:
+    """Whether a release's ``NOTIFY`` reaches this process's listener. The
+    listener's verdict is read only once it has heard back (or given up on)
+    its own ping; then a notification is sent the way a release sends it,
+    through ``alias``, and must wake a waiter registered for it."""
     from django.db import connections
 
+    from django_dlock import notify
     from django_dlock.strategies import traits
 
     if connections[alias].vendor != "postgresql" or not traits(strategy)[2]:
@@ -169,15 +177,36 @@ def _wake_ups(alias: str, strategy: str) -> Verdict:
     listen = listener(alias)
     if listen is None:
         return Verdict("wake-ups", "WARN", "no LISTEN without psycopg 3: waiters poll")
-    listen.wait_ready(5.0)
-    if listen.healthy:
-        return Verdict("wake-ups", "PASS", "LISTEN/NOTIFY: a release wakes the next waiter")
-    return Verdict(
-        "wake-ups",
-        "WARN",
-        "LISTEN cannot hear through this connection (a transaction-mode pooler?): waiters "
-        "poll; name a direct connection in DLOCK_DIRECT_DATABASES",
-    )
+    if not listen.wait_checked(WAKE_UP_WAIT):
+        return Verdict(
+            "wake-ups",
+            "WARN",
+            f"the listener did not hear back from its own test notification within "
+            f"{WAKE_UP_WAIT:g} s: waiters poll until it does",
+        )
+    if not listen.healthy:
+        return Verdict(
+            "wake-ups",
+            "WARN",
+            "LISTEN cannot hear through this connection (a transaction-mode pooler?): waiters "
+            "poll; name a direct connection in DLOCK_DIRECT_DATABASES",
+        )
+    name = f"dlock-selfcheck:{uuid.uuid4().hex[:12]}"
+    waiter = notify.Waiter()
+    listen.register(name, waiter)
+    try:
+        notify.wake(alias, name)
+        heard = waiter.thread_event.wait(WAKE_UP_WAIT)
+    finally:
+        listen.unregister(name, waiter)
+    if not heard:
+        return Verdict(
+            "wake-ups",
+            "WARN",
+            f"a notification sent through this connection did not reach the listener within "
+            f"{WAKE_UP_WAIT:g} s: waiters poll",
+        )
+    return Verdict("wake-ups", "PASS", "LISTEN/NOTIFY: a release wakes the next waiter")
 
 
 def _processes(alias: str, strategy: str, processes: int, seconds: float) -> list[Verdict]:

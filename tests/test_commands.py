@@ -465,6 +465,28 @@ def test_dlock_show_a_semaphore_lists_its_permits_and_waiters(alias):
         run("dlock_show", "semaphore:nothing", using=alias)
 
 
+def test_dlock_show_a_semaphores_permit_row(alias):
+    from django_dlock import operations
+
+    from .test_semaphore import Holder
+
+    holder = Holder(alias, "exports", 2, ttl=60)
+    try:
+        permit = next(
+            p.name for p in operations.find_permits(alias, "exports") if p.state == "held"
+        )
+        number = permit.rpartition("#")[2]
+        out = run("dlock_show", permit, using=alias)
+        assert re.search(rf"^name +{re.escape(permit)}$", out, re.M), out
+        assert re.search(rf"^permit of +semaphore:exports \(permit {number}\)$", out, re.M), out
+        assert re.search(r"^state +held$", out, re.M), out
+        assert re.search(r"^waiters +0$", out, re.M), out
+    finally:
+        holder.release()
+    with pytest.raises(CommandError, match="no lock named 'semaphore:exports#7'"):
+        run("dlock_show", "semaphore:exports#7", using=alias)
+
+
 def test_dlock_show_a_read_write_lock_lists_its_readers(alias):
     from .test_shared_lease import Holder
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from asgiref.sync import sync_to_async
+from asgiref.sync import async_to_sync, sync_to_async
 from celery import Celery
 from django.db import connections, transaction
 
@@ -26,7 +26,7 @@ from django_dlock.contrib.celery import SingleInstanceTask
 from django_dlock.exceptions import DLockError
 
 from . import procs
-from .helpers import in_thread, wait_until
+from .helpers import end_server_session, in_thread, wait_until
 from .test_quorum import QUORUM
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
@@ -270,6 +270,48 @@ def test_session_and_quorum_locks_refuse_a_guard_and_point_to_fencing(kind):
     with lk, pytest.raises(dlock.GuardNotSupported, match="fence"), lk.guard():
         pass
     dlock.close_connections()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", *QUORUM])
+def test_a_quorum_lock_refuses_a_guard_and_names_the_quorum():
+    lk = dlock.lock("guard:quorum", using=QUORUM)
+    with lk, pytest.raises(dlock.GuardNotSupported) as refused, lk.guard():
+        pass
+
+    async def aguard() -> BaseException:
+        async with lk:
+            with pytest.raises(dlock.GuardNotSupported) as arefused:
+                await lk.aguard(lambda: None)
+        return arefused.value
+
+    for exc in (refused.value, async_to_sync(aguard)()):
+        message = str(exc)
+        assert "quorum lock" in message and repr(QUORUM) in message, message
+        assert "lease strategy" not in message, message
+    dlock.close_connections()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "mysql"])
+@pytest.mark.parametrize("db", ["default", "mysql"], ids=["postgresql", "mariadb"])
+def test_a_guard_whose_session_an_administrator_ended_says_so(db):
+    """The server ends the guard's session at once (pg_terminate_backend, KILL):
+    LockLost says the session was ended, not that it stayed silent."""
+    _probe(db)
+    pid_sql = "SELECT pg_backend_pid()" if db == "default" else "SELECT CONNECTION_ID()"
+    lk = dlock.lock("guard:terminated", using=db, ttl=30)
+    with lk, pytest.raises(dlock.LockLost) as lost, lk.guard():
+        with connections[db].cursor() as cur:
+            cur.execute(pid_sql)
+            pid = cur.fetchone()[0]
+        in_thread(lambda: (end_server_session(db, pid), connections.close_all()))
+        _write(db, "x")
+    message = str(lost.value)
+    assert "rolled back" in message and "ended" in message, message
+    if db == "default":
+        assert "stayed silent" not in message and "pg_terminate_backend" in message, message
+    else:
+        assert "killed" in message, message
+    assert _read(db) == "-"
 
 
 # -- a holder paused past its lease (real processes, SIGSTOP) ----------------------------

@@ -52,6 +52,8 @@ def test_two_part_keys_map_to_two_int4():
         ((1.5, 2), "must be an int or a str"),
         ((True, 2), "must be an int or a str"),
         (("", 2), "must not be empty"),
+        ("report#reader:0123456789abcdef", "must not contain '#reader:', which is reserved"),
+        ("report#READER:upgradeable", "must not contain '#reader:', which is reserved"),
     ],
 )
 def test_bad_keys_are_rejected_with_a_clear_error(key, message):
@@ -71,3 +73,28 @@ def test_model_instance_key():
     assert make_key(user).name == f"lock:auth.user:{user.pk}"
     with pytest.raises(InvalidLockKey, match="unsaved"):
         make_key(User(username="nobody"))
+
+
+def test_the_reserved_infix_is_the_one_reader_rows_use():
+    from django_dlock.keys import RESERVED_INFIXES
+    from django_dlock.strategies.lease.shared import READER_INFIX
+
+    assert READER_INFIX in RESERVED_INFIXES
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_with_the_reader_infix_cannot_keep_writers_of_another_key_out():
+    import django_dlock as dlock
+
+    with pytest.raises(InvalidLockKey, match="reserved"):
+        dlock.lock("doc#reader:0123456789abcdef", ttl=30).acquire(timeout=0)
+    with dlock.lock("doc", ttl=30, timeout=0):  # nobody reads "doc"
+        pass
+
+
+def test_a_key_rendered_from_request_data_with_the_reader_infix_is_hashed():
+    from django_dlock._http import fit_key
+
+    rendered = fit_key("doc:x#reader:0123456789abcdef")
+    assert rendered.startswith("sha256:"), rendered
+    assert make_key(rendered).name == f"lock:{rendered}"

@@ -151,12 +151,62 @@ def test_anonymous_session_is_created_and_serialised():
             thread.join(60)
 
 
-def test_anonymous_key_is_the_session_key():
+def test_anonymous_key_is_the_session_digest():
+    from django_dlock.middleware import session_digest
+
     client = Client()
     client.post("/checkout/")
     session_key = client.cookies[settings.SESSION_COOKIE_NAME].value
-    with dlock.lock(f"checkout:anon:{session_key}"):
+    with dlock.lock(f"checkout:anon:{session_digest(session_key)}"):
         assert in_thread(lambda: client.post("/checkout/")).status_code == 423
+
+
+def test_no_session_key_in_lock_names_logs_rows_or_dlock_list(caplog):
+    """A session key is a credential: it stands in a lock's name only as a digest,
+    the same for one session, different for two."""
+    import logging
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from django_dlock.middleware import session_digest
+    from django_dlock.models import Lock as LockRow
+
+    caplog.set_level(logging.DEBUG, logger="django_dlock")
+    first, second = Client(), Client()
+    for client in (first, first, second):
+        assert client.post("/checkout/").status_code == 200
+    keys = [c.cookies[settings.SESSION_COOKIE_NAME].value for c in (first, second)]
+    assert keys[0] != keys[1]
+    names = sorted(_checkout_rows())
+    # one name per session, stable across its requests
+    assert names == sorted(f"lock:checkout:anon:{session_digest(k)}" for k in keys)
+    assert len(set(names)) == 2
+    listed = StringIO()
+    call_command("dlock_list", "--all", stdout=listed)
+    rows = [str(row) for row in LockRow.objects.values()]
+    logged = [r.getMessage() + repr(r.args) for r in caplog.records]
+    assert any("checkout:anon:" in line for line in logged), logged
+    for key in keys:
+        assert not [n for n in names if key in n]
+        assert not [r for r in rows if key in r]
+        assert not [line for line in logged if key in line]
+        assert key not in listed.getvalue()
+    assert "checkout:anon:" in listed.getvalue()
+
+
+def test_session_rule_uses_the_digest():
+    from django_dlock.middleware import session_digest
+
+    rules = [{"path": r"^/checkout/$", "key": "s:{session}"}]
+    with override_settings(DLOCK_MIDDLEWARE_RULES=rules):
+        client = Client()
+        assert client.post("/checkout/").status_code == 200
+        session_key = client.cookies[settings.SESSION_COOKIE_NAME].value
+        digest = session_digest(session_key)
+        assert len(digest) == 32 and session_key not in digest
+        with dlock.lock(f"s:{digest}"):
+            assert in_thread(lambda: client.post("/checkout/")).status_code == 423
 
 
 def test_methods_filter():
@@ -288,9 +338,11 @@ def test_a_post_with_its_csrf_token_is_locked_as_before():
     token = get_token(RequestFactory().get("/"))
     client.cookies[settings.CSRF_COOKIE_NAME] = token
     assert client.post("/checkout/", {"csrfmiddlewaretoken": token}).status_code == 200
-    session_key = client.cookies[settings.SESSION_COOKIE_NAME].value
-    assert _checkout_rows() == [f"lock:checkout:anon:{session_key}"]
-    with dlock.lock(f"checkout:anon:{session_key}"):
+    from django_dlock.middleware import session_digest
+
+    digest = session_digest(client.cookies[settings.SESSION_COOKIE_NAME].value)
+    assert _checkout_rows() == [f"lock:checkout:anon:{digest}"]
+    with dlock.lock(f"checkout:anon:{digest}"):
         refused = in_thread(lambda: client.post("/checkout/", {"csrfmiddlewaretoken": token}))
         assert refused.status_code == 423
 

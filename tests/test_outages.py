@@ -10,6 +10,8 @@ server, also those drawn for locks held in the caller's transaction.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 from django.test import override_settings
@@ -75,6 +77,17 @@ def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server)
     assert not held.held()
     server.start()
     assert held.locked()
+
+
+def test_an_acquire_that_starts_during_an_outage_raises_database_unavailable_at_once(server):
+    # Documented (High availability): the timeout is for other holders, not
+    # for the database to come back; retrying is the caller's policy.
+    server.stop()
+    started = time.monotonic()
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-starts", using=ALIAS).acquire(timeout=10)
+    _unavailable(caught)
+    assert time.monotonic() - started < 10  # not the timeout: at once
 
 
 def test_the_first_lock_statement_of_a_process_during_an_outage(server):

@@ -112,6 +112,17 @@ def test_other_strategies_cannot_span_databases(strategy):
         dlock.lock("k", using=QUORUM, strategy=strategy)
 
 
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_shared_quorum_lock_is_refused_as_a_quorum_lock():
+    lk = dlock.lock("q-shared", using=QUORUM, shared=True)
+    with pytest.raises(dlock.StrategyNotSupported) as refused:
+        lk.acquire(timeout=1)
+    message = str(refused.value)
+    assert "quorum lock" in message and repr(QUORUM) in message, message
+    assert "the lease strategy on" not in message, message
+    assert not dlock.lock("q-shared", using=QUORUM).locked()
+
+
 # -- holding a majority ---------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -22,6 +23,7 @@ LABELS = (
     "expires at",
     "expires",
     "permits held",
+    "permit of",
     "readers",
     "waiters",
     "advisory key",
@@ -29,14 +31,18 @@ LABELS = (
 )
 LABEL_WIDTH = max(len(label) for label in LABELS)
 
+#: the name of a semaphore's permit row: ``semaphore:<key>#<n>``
+PERMIT_ROW = re.compile(r"(semaphore:.+)#(\d+)", re.S)
+
 
 class Command(DlockCommand):
     help = (
         'Show one lock by name ("lock:invoice:42", or "invoice:42" for the lock namespace): '
         "its lease row, the waiters queued for it, and who holds its advisory lock "
         "(PostgreSQL: or awaits it; MySQL/MariaDB: IS_USED_LOCK). For a semaphore "
-        '("semaphore:exports"): each permit\'s holder, and its waiters. For a lock '
-        "held by readers (shared=True): each reader."
+        '("semaphore:exports"): each permit\'s holder, and its waiters; for one permit '
+        '("semaphore:exports#0"): its row. For a lock held by readers (shared=True): '
+        "each reader."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -89,7 +95,9 @@ class Command(DlockCommand):
         permits = override.find_permits(using, name)
         held = [lease for lease in permits if lease.state == "held"]
         if not permits and not queue.waiters(using, [name]):
-            raise no_such_lock(name, using)
+            if not self._permit(using, name):
+                raise no_such_lock(name, using)
+            return
         self._field("name", name)
         self._field("permits held", str(len(held)))
         rows = [
@@ -106,6 +114,30 @@ class Command(DlockCommand):
             for line in table(["PERMIT", "STATE", "OWNER", "FENCE", "EXPIRES"], rows):
                 self.say(f"  {line}")
         self._waiters(using, name)
+
+    def _permit(self, using: str, name: str) -> bool:
+        """One permit's row (``semaphore:<key>#<n>``), with its semaphore's waiters;
+        ``False`` if ``name`` names no permit row."""
+        match = PERMIT_ROW.fullmatch(name)
+        lease = None if match is None else override.find_lease(using, name)
+        if match is None or lease is None:
+            return False
+        acquired = lease.acquired_at
+        fields = [
+            ("name", lease.name),
+            ("permit of", f"{match.group(1)} (permit {match.group(2)})"),
+            ("state", lease.state),
+            ("owner", lease.owner or "-"),
+            ("fence", str(lease.fence)),
+            ("token", lease.token_prefix or "-"),
+            ("acquired at", "-" if acquired is None else acquired.isoformat()),
+            ("expires at", lease.expire_at.isoformat()),
+            ("expires", seconds_text(lease)),
+        ]
+        for label, value in fields:
+            self._field(label, value)
+        self._waiters(using, match.group(1))
+        return True
 
     def _readers(self, using: str, name: str) -> None:
         """A read-write lock's live readers (their rows), if any hold it."""
