@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import logging
 import os
 import re
 import select
@@ -69,6 +70,7 @@ from django_dlock.tables import FENCE_FLOOR_TABLE
 
 __all__ = [
     "DIRECT_GRACE",
+    "LONGEST_WAIT",
     "STATEMENT_FLOOR",
     "Abandoned",
     "behind_pooler",
@@ -97,6 +99,8 @@ __all__ = [
 
 T = TypeVar("T")
 
+logger = logging.getLogger("django_dlock")
+
 
 class Abandoned(LockTimeout):
     """A lock statement was given up at the lock's deadline; its connection is closed.
@@ -114,6 +118,10 @@ STATEMENT_FLOOR = 0.5
 #: on a direct connection, how long past the deadline (and the floor) a lock
 #: statement may still take before its server is taken for frozen
 DIRECT_GRACE = 0.5
+#: the longest single wait of a thread here, in seconds: a longer one goes in
+#: steps (``poll`` counts milliseconds in a C int, about 24 days; a condition's
+#: wait stops at ``threading.TIMEOUT_MAX``)
+LONGEST_WAIT = 3600.0
 
 _deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
 
@@ -219,7 +227,8 @@ class _Watchdog:
 
     def add(self, watch: _Watch) -> None:
         with self.mutex:  # (the condition's lock)
-            if self.thread is None:  # none yet (or forked: see _forked)
+            # none yet (or forked: see _forked), or ended (the interpreter shuts down)
+            if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="django-dlock-statement-watch", daemon=True
                 )
@@ -244,13 +253,25 @@ class _Watchdog:
         self.thread = None
 
     def _run(self) -> None:
+        # Every statement of the process that has a deadline counts on this
+        # thread: an error in it is logged, and it carries on.
+        while True:
+            try:
+                self._serve()
+            except Exception:
+                logger.exception("django-dlock: the statement watchdog failed; it carries on")
+                time.sleep(STATEMENT_FLOOR)  # (never a busy loop)
+
+    def _serve(self) -> None:
         while True:
             with self.cond:
                 while not self.heap or self.heap[0][0] > time.monotonic():
                     if self.heap:
                         self.heap = [entry for entry in self.heap if not entry[2].done]
                         heapq.heapify(self.heap)
-                    self.cond.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
+                    # (in steps: a watch can be due in years, past what a wait can count)
+                    left = self.heap[0][0] - time.monotonic() if self.heap else LONGEST_WAIT
+                    self.cond.wait(min(left, LONGEST_WAIT))
                 _, _, watch = heapq.heappop(self.heap)
                 if watch.done:
                     continue
@@ -1172,7 +1193,7 @@ def _ready(fileno: int, events: int, until: float) -> None:
     """Wait until ``fileno`` is ready for ``events``, or raise :class:`Abandoned` at ``until``."""
     poll = select.poll()
     poll.register(fileno, events)
-    while not poll.poll(max(0.0, until - time.monotonic()) * 1000):
+    while not poll.poll(min(max(0.0, until - time.monotonic()), LONGEST_WAIT) * 1000):
         if time.monotonic() >= until:
             raise Abandoned(
                 "a lock statement got no answer by the lock's deadline (a server "
