@@ -108,17 +108,25 @@ def _waiting(alias: str, strategy: str, name: str) -> bool:
         return int(cur.fetchone()[0]) > 0
 
 
-@pytest.mark.parametrize("timeout", [1e300, 1e8], ids=["1e300", "1e8"])
+@pytest.mark.parametrize("two_phase", [False, True], ids=["acquire", "enqueue-wait"])
+@pytest.mark.parametrize("timeout", [1e300, sys.maxsize, 1e8], ids=["1e300", "maxsize", "1e8"])
 @pytest.mark.parametrize("strategy", ["lease", "advisory"])
-def test_a_waiter_with_a_huge_timeout_gets_the_lock_at_release(strategy, timeout):
+def test_a_waiter_with_a_huge_timeout_gets_the_lock_at_release(strategy, timeout, two_phase):
     holder = dlock.lock("long:busy", strategy=strategy)
     assert holder.acquire(timeout=0)
     got: dict[str, Any] = {}
 
     def wait() -> None:
         try:
-            with dlock.lock("long:busy", strategy=strategy, timeout=timeout) as lk:
+            lk = dlock.lock("long:busy", strategy=strategy, timeout=timeout)
+            if two_phase:
+                assert lk.enqueue() is False
+                assert lk.wait(timeout)
+            else:
+                assert lk.acquire()
+            with lk:  # (re-entered, then released twice)
                 got["owned"] = lk.owned()
+            lk.release()
         except BaseException as exc:  # reported below
             got["error"] = exc
         finally:
