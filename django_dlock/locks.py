@@ -208,7 +208,9 @@ class Lock(Generic[_OnFailT]):
             ``"row"``, ``"advisory"`` or ``"advisory_xact"``.
         ttl: lease length in seconds (``DLOCK_DEFAULT_TTL``).
         timeout: how long ``acquire``/``with`` waits: ``None`` forever,
-            ``0`` one try, ``n`` up to n seconds (``DLOCK_DEFAULT_TIMEOUT``).
+            ``0`` one try, ``n`` up to n seconds (``DLOCK_DEFAULT_TIMEOUT``);
+            more than 10**9 seconds (about 31 years, ``float("inf")``
+            included) waits forever too.
         using: database alias (default: the router's write database for
             :class:`django_dlock.models.Lock`), or a list of aliases of
             independent databases for a quorum lock: a lease on a majority

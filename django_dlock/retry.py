@@ -16,14 +16,21 @@ import random
 import time
 
 from django_dlock.conf import RetryInterval
+from django_dlock.validation import MAX_SECONDS
 
 
 class Deadline:
-    """A wait budget: ``None`` (or infinity) waits forever, ``0`` tries once."""
+    """A wait budget: ``None`` waits forever, ``0`` tries once.
+
+    A timeout longer than :data:`~django_dlock.validation.MAX_SECONDS`
+    (about 31 years; ``float("inf")`` and ``sys.maxsize`` too) waits forever
+    like ``None``: no wait ends that late, and the clocks and the system
+    calls that waits use cannot count that far.
+    """
 
     def __init__(self, timeout: float | None) -> None:
-        if timeout is not None and math.isinf(timeout):
-            timeout = None  # an infinite timeout is no timeout: wait forever
+        if timeout is not None and timeout > MAX_SECONDS:
+            timeout = None  # no wait ends that late: wait forever
         self.timeout = timeout
         self.start = time.monotonic()
         self.end = math.inf if timeout is None else self.start + timeout

@@ -33,7 +33,8 @@ __all__ = [
 STRATEGIES = ("lease", "row", "advisory", "advisory_xact")
 
 #: the longest lease (and hold) in seconds, about 31 years: every database
-#: can add it to its clock (longer ones overflow a date or an interval)
+#: can add it to its clock (longer ones overflow a date or an interval). A
+#: timeout longer than this waits forever, like ``None``.
 MAX_SECONDS = 1e9
 
 
@@ -55,7 +56,11 @@ def ttl_error(value: object) -> str | None:
 
 
 def timeout_error(value: object) -> str | None:
-    """Return why ``value`` is not a valid timeout (None, or seconds >= 0)."""
+    """Return why ``value`` is not a valid timeout (None, or seconds >= 0).
+
+    Any number of seconds >= 0 is one: a timeout above :data:`MAX_SECONDS`
+    (``float("inf")`` too) waits forever, like ``None``.
+    """
     if value is None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):  # (_is_number, inline)

@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import logging
 import os
 import re
 import select
@@ -69,6 +70,7 @@ from django_dlock.tables import FENCE_FLOOR_TABLE
 
 __all__ = [
     "DIRECT_GRACE",
+    "LONGEST_WAIT",
     "STATEMENT_FLOOR",
     "Abandoned",
     "behind_pooler",
@@ -97,6 +99,8 @@ __all__ = [
 
 T = TypeVar("T")
 
+logger = logging.getLogger("django_dlock")
+
 
 class Abandoned(LockTimeout):
     """A lock statement was given up at the lock's deadline; its connection is closed.
@@ -114,6 +118,10 @@ STATEMENT_FLOOR = 0.5
 #: on a direct connection, how long past the deadline (and the floor) a lock
 #: statement may still take before its server is taken for frozen
 DIRECT_GRACE = 0.5
+#: the longest single wait of a thread here, in seconds: a longer one goes in
+#: steps (``poll`` counts milliseconds in a C int, about 24 days; a condition's
+#: wait stops at ``threading.TIMEOUT_MAX``)
+LONGEST_WAIT = 3600.0
 
 _deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
 
@@ -219,7 +227,8 @@ class _Watchdog:
 
     def add(self, watch: _Watch) -> None:
         with self.mutex:  # (the condition's lock)
-            if self.thread is None:  # none yet (or forked: see _forked)
+            # none yet (or forked: see _forked), or ended (the interpreter shuts down)
+            if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="django-dlock-statement-watch", daemon=True
                 )
@@ -244,13 +253,25 @@ class _Watchdog:
         self.thread = None
 
     def _run(self) -> None:
+        # Every statement of the process that has a deadline counts on this
+        # thread: an error in it is logged, and it carries on.
+        while True:
+            try:
+                self._serve()
+            except Exception:
+                logger.exception("django-dlock: the statement watchdog failed; it carries on")
+                time.sleep(STATEMENT_FLOOR)  # (never a busy loop)
+
+    def _serve(self) -> None:
         while True:
             with self.cond:
                 while not self.heap or self.heap[0][0] > time.monotonic():
                     if self.heap:
                         self.heap = [entry for entry in self.heap if not entry[2].done]
                         heapq.heapify(self.heap)
-                    self.cond.wait(self.heap[0][0] - time.monotonic() if self.heap else None)
+                    # (in steps: a watch can be due in years, past what a wait can count)
+                    left = self.heap[0][0] - time.monotonic() if self.heap else LONGEST_WAIT
+                    self.cond.wait(min(left, LONGEST_WAIT))
                 _, _, watch = heapq.heappop(self.heap)
                 if watch.done:
                     continue
@@ -752,6 +773,7 @@ else:
     _TUPLES_OK = pq.ExecStatus.TUPLES_OK
     _COMMAND_OK = pq.ExecStatus.COMMAND_OK
     _IDLE = pq.TransactionStatus.IDLE
+    _ACTIVE = pq.TransactionStatus.ACTIVE
     _SQLSTATE = pq.DiagnosticField.SQLSTATE
 
 
@@ -992,15 +1014,54 @@ def numbered(query: str) -> _Numbered:
     return found
 
 
+class _Prepared:
+    """The statements our lock statements have prepared on one server session.
+
+    Kept on the psycopg connection itself, which is that session: Django's
+    pool hands one connection from a thread's wrapper to another's, and
+    its statements go with it. Names are ``dlock_<n>``, ``n`` counting up
+    for as long as the connection lives and never given twice: a name once
+    sent may exist on the server whatever came back (a PREPARE whose answer
+    never came, a statement dropped while others stay), so a statement is
+    never prepared again under a name the session may still have.
+    """
+
+    __slots__ = ("names", "numbers")
+
+    def __init__(self) -> None:
+        #: (query text, parameter types) -> the name it is prepared under
+        self.names: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self.numbers = itertools.count()
+
+    def fresh_name(self) -> bytes:
+        return b"dlock_%d" % next(self.numbers)
+
+
 class _Session:
-    """What our lock statements keep on one psycopg connection: an adapter
+    """What our lock statements keep for one psycopg connection: an adapter
     for their parameters and rows, and the statements prepared on its server
-    session (by query text and parameter types), named ``dlock_<n>``."""
+    session (:class:`_Prepared`)."""
+
+    __slots__ = ("raw", "adapt", "prepared", "names")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.adapt = Transformer(raw)
-        self.prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        # (only the statements live on the connection: this session's adapter refers
+        # to the connection, and would make a reference cycle there)
+        prepared: _Prepared | None = raw.__dict__.get("_dlock_prepared")
+        if prepared is None:
+            prepared = raw.__dict__["_dlock_prepared"] = _Prepared()
+        self.prepared = prepared
+        self.names = prepared.names  # (read for every statement: one look-up less)
+
+
+#: SQLSTATEs of a prepared statement that is not there (invalid_sql_statement_name)
+#: and of a name already taken (duplicate_prepared_statement)
+_GONE = b"26000"
+_TAKEN = b"42P05"
+#: how many names a statement tries when each is found taken on the server
+_NAME_TRIES = 3
 
 
 def _execute_prepared(
@@ -1015,7 +1076,7 @@ def _execute_prepared(
     or in pipeline mode, goes through a psycopg cursor instead.
 
     ``until``: a ``time.monotonic()`` at which a statement still unanswered
-    is given up (:class:`Abandoned`; the caller closes the connection)."""
+    is given up (:class:`Abandoned`; the connection is closed)."""
     try:
         if connection.connection is None:
             connection.ensure_connection()
@@ -1041,31 +1102,20 @@ def _execute_prepared(
                 dumped = adapt.dump_sequence(values, [_AUTO] * len(values))
                 types = tuple(adapt.types or ())
                 key = (sql, types)
-                name = session.prepared.get(key)
-                for _attempt in range(2):
-                    if name is None:
-                        name = b"dlock_%d" % len(session.prepared)
-                        if until is None:
-                            made = pgconn.prepare(name, numbered(sql).sql, types)
-                        else:
-                            pgconn.send_prepare(name, numbered(sql).sql, types)
-                            made = _answer(pgconn, until)
-                        if made.status != _COMMAND_OK:
-                            raise _error(raw, made)
-                        session.prepared[key] = name
-                    if until is None:
-                        result = pgconn.exec_prepared(name, dumped, adapt.formats)
-                    else:
-                        pgconn.send_query_prepared(name, dumped, adapt.formats)
-                        result = _answer(pgconn, until)
-                    if (
-                        result.error_field(_SQLSTATE) != b"26000"
-                        or pgconn.transaction_status != _IDLE
-                    ):
-                        break
-                    # gone from the session (DEALLOCATE, DISCARD ALL): prepared again
-                    session.prepared.clear()
-                    name = None
+                name = session.names.get(key)
+                if name is None:
+                    name = _prepare(raw, session.prepared, key, until)
+                if until is None:
+                    result = pgconn.exec_prepared(name, dumped, adapt.formats)
+                else:
+                    pgconn.send_query_prepared(name, dumped, adapt.formats)
+                    result = _answer(pgconn, until)
+                if result.error_field(_SQLSTATE) == _GONE and pgconn.transaction_status == _IDLE:
+                    # gone from the session (DEALLOCATE, DISCARD ALL): prepared again,
+                    # under a new name (others may still be there)
+                    session.names.pop(key, None)
+                    name = _prepare(raw, session.prepared, key, until)
+                    result = _run_prepared(pgconn, name, dumped, adapt.formats, until)
                 status = result.status
                 if status == _TUPLES_OK:
                     count = result.command_tuples
@@ -1081,8 +1131,47 @@ def _execute_prepared(
             # (Django's error classes, as its cursor raises them)
             with connection.wrap_database_errors:
                 raise
+        except BaseException:
+            # Given up (Abandoned) or interrupted (a signal's exception) before
+            # the answer was read: the connection cannot take another statement
+            # while that one is in progress. It is closed, its server session
+            # with it (a statement the server still completes dies there), and
+            # the next statement reconnects.
+            if pgconn.transaction_status == _ACTIVE:
+                connection.close()
+            raise
     except DatabaseError as exc:
         _failed(connection, exc)
+
+
+def _prepare(
+    raw: Any, prepared: _Prepared, key: tuple[str, tuple[int, ...]], until: float | None
+) -> bytes:
+    """Prepare the query of ``key`` on ``raw``'s session under a name never used
+    there before (another one when the server already has that name); its name."""
+    pgconn = raw.pgconn
+    sql, types = key
+    for _attempt in range(_NAME_TRIES):
+        name = prepared.fresh_name()  # (taken before it is sent: never sent twice)
+        if until is None:
+            made = pgconn.prepare(name, numbered(sql).sql, types)
+        else:
+            pgconn.send_prepare(name, numbered(sql).sql, types)
+            made = _answer(pgconn, until)
+        if made.status == _COMMAND_OK:
+            prepared.names[key] = name
+            return name
+        if made.error_field(_SQLSTATE) != _TAKEN or pgconn.transaction_status != _IDLE:
+            break
+    raise _error(raw, made)
+
+
+def _run_prepared(pgconn: Any, name: bytes, dumped: Any, formats: Any, until: float | None) -> Any:
+    """The result of the statement prepared as ``name``, run on ``pgconn``."""
+    if until is None:
+        return pgconn.exec_prepared(name, dumped, formats)
+    pgconn.send_query_prepared(name, dumped, formats)
+    return _answer(pgconn, until)
 
 
 def _answer(pgconn: Any, until: float) -> Any:
@@ -1106,7 +1195,7 @@ def _ready(fileno: int, events: int, until: float) -> None:
     """Wait until ``fileno`` is ready for ``events``, or raise :class:`Abandoned` at ``until``."""
     poll = select.poll()
     poll.register(fileno, events)
-    while not poll.poll(max(0.0, until - time.monotonic()) * 1000):
+    while not poll.poll(min(max(0.0, until - time.monotonic()), LONGEST_WAIT) * 1000):
         if time.monotonic() >= until:
             raise Abandoned(
                 "a lock statement got no answer by the lock's deadline (a server "
