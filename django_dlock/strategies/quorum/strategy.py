@@ -215,7 +215,9 @@ class QuorumLease:
         """One round: a grant, or what the databases said."""
         started = time.monotonic()
         validity_end = started + req.ttl - drift(req.ttl)
-        end = min(validity_end, max(deadline.end, started + ROUND_FLOOR))
+        # (the floor counts from the start of the acquire, not of this round:
+        # a later round never runs past the caller's timeout)
+        end = min(validity_end, max(deadline.end, deadline.start + ROUND_FLOOR))
         token = f"{req.token}#{secrets.token_hex(4)}"
         mine = dataclasses.replace(req, token=token)
 
@@ -242,8 +244,12 @@ class QuorumLease:
             return Grant(fence)
         # Given back before the next round: left to the background, a lease
         # could still be there when the caller's next round asks, and refuse
-        # it (each round has its own token).
-        give_back(first.futures, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
+        # it (each round has its own token). Waited for only until the
+        # round's end (the caller's deadline, or the floor of a single try):
+        # a database that stalls is released in the background.
+        release = functools.partial(lease.release_on, req=mine)
+        wait = max(0.0, end - time.monotonic())
+        give_back(first.futures, mine.ttl, ROUND_FLOOR, release, wait=wait)
         return first
 
     def _refuse_twins(self, first: Round, mine: Request) -> None:
