@@ -237,3 +237,79 @@ def test_statements_behind_a_pending_advisory_place_get_a_named_error_at_once(pg
     assert outcome["seconds"] < 2  # a named error at once, not after the wait
     assert outcome.get("waited") is True and outcome.get("done") is True
     assert not dlock.lock("tp-busy-b", using=pg, strategy="advisory").locked()
+
+
+# -- acquire() and release() behind one's own place ----------------------------------
+
+
+@pytest.mark.parametrize(("strategy", "alias"), CASES)
+def test_acquire_after_enqueue_waits_for_the_place(strategy, alias):
+    key = f"tp-acquire-place-{strategy}"
+    holder = Holder(alias, key, strategy)
+    queued, let_go = threading.Event(), threading.Event()
+    result: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            lk = dlock.lock(key, using=alias, strategy=strategy, ttl=30)
+            result["enqueued"] = lk.enqueue()
+            queued.set()
+            assert let_go.wait(30)
+            started = time.monotonic()
+            result["acquired"] = lk.acquire(timeout=10)  # the place is granted
+            result["seconds"] = time.monotonic() - started
+            result["owned"] = lk.owned()
+            lk.release()
+        except BaseException as exc:
+            result["error"] = repr(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert queued.wait(30)
+        let_go.set()
+        time.sleep(0.5)  # (acquire() is waiting by now)
+        holder.release()  # the key goes to the place
+    finally:
+        let_go.set()
+        thread.join(30)
+    assert result.get("error") is None
+    assert result["enqueued"] is False and result["acquired"] is True
+    assert result["owned"] is True
+    assert float(result["seconds"]) < 10  # granted the place, not a second queue entry
+    assert _try(alias, key, strategy)  # released: nobody holds or waits for it
+
+
+@pytest.mark.parametrize(("strategy", "alias"), CASES)
+def test_acquire_after_enqueue_that_times_out_gives_the_place_up(strategy, alias):
+    key = f"tp-acquire-timeout-{strategy}"
+    holder = Holder(alias, key, strategy)
+    result: dict[str, object] = {}
+
+    def waiter() -> None:
+        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=30)
+        result["enqueued"] = lk.enqueue()
+        started = time.monotonic()
+        try:
+            result["acquired"] = lk.acquire(timeout=1)  # held all along: a timeout
+        except BaseException as exc:
+            result["acquired"] = repr(exc)
+        result["seconds"] = time.monotonic() - started
+        result["owned"] = lk.owned()
+
+    try:
+        in_thread(waiter)
+        # the place is given up: no pending lock, no ticket
+        if strategy == "advisory":
+            assert _advisory_waiting(alias) == 0
+        else:
+            assert _tickets(alias, f"lock:{key}") == 0
+    finally:
+        holder.release()
+    assert result["enqueued"] is False
+    assert result["acquired"] is False  # not SessionBusy: it waited for its place
+    assert 0.9 <= float(result["seconds"]) < 1 + 5
+    assert result["owned"] is False
+    assert _try(alias, key, strategy)
