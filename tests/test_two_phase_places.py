@@ -313,3 +313,66 @@ def test_acquire_after_enqueue_that_times_out_gives_the_place_up(strategy, alias
     assert 0.9 <= float(result["seconds"]) < 1 + 5
     assert result["owned"] is False
     assert _try(alias, key, strategy)
+
+
+def test_release_gives_an_advisory_place_up_even_if_the_cancel_came_too_early(pg, monkeypatch):
+    # The place's statement is held up on its own side, just before it is
+    # sent: another statement is in flight on the session (the watcher
+    # reading its socket, say). A cancel sent then reaches a server session
+    # that runs nothing, and the server ignores it; release() must still
+    # give the place up, not wait until the holder lets go.
+    from django_dlock.strategies.advisory import postgresql
+
+    key = "tp-early-cancel"
+    holder = Holder(pg, key, "advisory")
+    seen: dict[str, object] = {}
+    held_up, go = threading.Event(), threading.Event()
+    real_wait = postgresql.AdvisoryStrategy._wait
+
+    def wait_on_a_busy_session(self, session, req, sql, deadline, waiter):
+        if req.key.name == f"lock:{key}" and not held_up.is_set():
+            session.mutex.acquire()  # a statement in flight; the test lets it go
+            seen["session"], seen["waiter"] = session, waiter
+            held_up.set()
+        return real_wait(self, session, req, sql, deadline, waiter)
+
+    monkeypatch.setattr(postgresql.AdvisoryStrategy, "_wait", wait_on_a_busy_session)
+    result: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            lk = dlock.lock(key, using=pg, strategy="advisory", ttl=60)
+            result["enqueued"] = lk.enqueue()
+            assert go.wait(30)
+            started = time.monotonic()
+            lk.release()  # gives the place up
+            result["seconds"] = time.monotonic() - started
+            result["owned"] = lk.owned()
+        except BaseException as exc:
+            result["error"] = repr(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        assert held_up.wait(30)
+        session, place = seen["session"], seen["waiter"]
+        try:
+            wait_until(lambda: session._waiting)  # the wait is about to be sent
+            go.set()  # release(): the cancel goes out now
+            wait_until(lambda: place.cancelled)
+            with session._wait_mutex:  # (held while a cancel is being sent)
+                pass
+        finally:
+            session.mutex.release()  # the wait statement goes out after its cancel
+        thread.join(10)
+    finally:
+        go.set()
+        holder.release()
+        thread.join(30)
+    assert result.get("error") is None
+    assert result["enqueued"] is False and result["owned"] is False
+    assert float(result["seconds"]) < 10, f"release() took {result['seconds']:.1f} s"
+    assert _advisory_waiting(pg) == 0
+    assert _try(pg, key, "advisory")

@@ -782,6 +782,10 @@ class Session:
             with self.mutex:
                 if self.lost is not None:
                     raise SessionLost(self.lost)
+                if waiter is not None and waiter.cancelled:
+                    # cancelled while this waited for the session: the server
+                    # was sent a cancel before the statement, which it ignores
+                    raise WaitCancelled()
                 try:
                     row = self.conn.execute(sql, params).fetchone()
                 except psycopg.Error as exc:
