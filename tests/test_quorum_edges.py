@@ -410,3 +410,45 @@ def test_a_process_that_releases_and_exits_leaves_no_lease_behind():
     # every database's lease was released before the child exited: none
     # waits to run out (ttl 30 s)
     assert [alias for alias in QUORUM if not _free(alias, name)] == []
+
+
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_later_round_ends_at_the_callers_timeout():
+    # The first round is refused at once (q1 and q2 are another's); the
+    # second starts half a second later, when q1's lease has run out: q1
+    # accepts, q2 refuses and q3 stays silent (its row is locked), so that
+    # round waits for an answer until its end, which is the caller's
+    # deadline, not a second after the round began.
+    name = "lock:q-later"
+    for alias, seconds in (("q1", 0.25), ("q2", 60)):
+        with connections[alias].cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+                "expire_at) VALUES (%s, 'another', 'another', 1, now(), "
+                "now() + make_interval(secs => %s))",
+                [name, seconds],
+            )
+    with connections["q3"].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+            "expire_at) VALUES (%s, '', '', 1, now(), now())",
+            [name],
+        )
+    blocker = connections["q3"].copy("q3")
+    blocker.connect()
+    blocker.set_autocommit(False)
+    with blocker.cursor() as cur:
+        cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+    try:
+        lk = dlock.lock("q-later", using=QUORUM, ttl=30, retry_interval=lambda attempt: 0.5)
+        started = time.monotonic()
+        acquired = lk.acquire(timeout=1)
+        elapsed = time.monotonic() - started
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert acquired is False
+    assert elapsed < 1 + 0.5, f"acquire(timeout=1) returned after {elapsed:.2f} s"
+    # what the rounds took is given back (q3's late answers too)
+    assert eventually(lambda: _free("q1", name) and _free("q3", name), bound=15)
+    assert row("q2", name) == ("another", 1)
