@@ -376,3 +376,78 @@ def test_release_gives_an_advisory_place_up_even_if_the_cancel_came_too_early(pg
     assert float(result["seconds"]) < 10, f"release() took {result['seconds']:.1f} s"
     assert _advisory_waiting(pg) == 0
     assert _try(pg, key, "advisory")
+
+
+def test_a_statement_that_slipped_in_before_the_place_is_not_held_behind_it(pg, monkeypatch):
+    # The caller's statement (releasing a key it holds) looks for a place on
+    # its session just before enqueue()'s thread marks one; it then waits
+    # for the session while the place's statement waits in the server.
+    # It must get SessionBusy, not wait until the place is granted.
+    from django_dlock.strategies.advisory import acquire as advisory_acquire
+    from django_dlock.strategies.advisory import sessions
+
+    holder = Holder(pg, "tp-slip-a", "advisory")
+    checked, go_caller, go_place = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    real_refuse = sessions.Session._refuse_while_placed
+    real_on_session = advisory_acquire.on_session
+
+    def refuse_then_pause(self):  # the caller, held between its look and the session
+        real_refuse(self)
+        if seen.get("armed") and threading.get_ident() == seen["caller"] and not checked.is_set():
+            seen["session"] = self
+            checked.set()
+            assert go_caller.wait(30)
+
+    def place_paused(req, holder_of, acquire_on, kind=sessions.Pool):
+        if req.key.name == "lock:tp-slip-a" and threading.get_ident() != seen.get("caller"):
+            assert go_place.wait(30)  # enqueue()'s thread, before it marks the session
+        return real_on_session(req, holder_of, acquire_on, kind)
+
+    monkeypatch.setattr(sessions.Session, "_refuse_while_placed", refuse_then_pause)
+    monkeypatch.setattr(advisory_acquire, "on_session", place_paused)
+    result: dict[str, object] = {}
+
+    def caller() -> None:
+        try:
+            other = dlock.lock("tp-slip-b", using=pg, strategy="advisory")
+            assert other.acquire(timeout=0)
+            place = dlock.lock("tp-slip-a", using=pg, strategy="advisory", ttl=60)
+            seen["caller"] = threading.get_ident()
+            result["enqueued"] = place.enqueue()
+            seen["armed"] = True
+            started = time.monotonic()
+            try:
+                other.release()
+            except dlock.DLockError as exc:
+                result["release"] = type(exc).__name__
+            result["seconds"] = time.monotonic() - started
+            holder.release()
+            result["waited"] = place.wait(timeout=10)
+            place.release()
+            other.release()  # the session is free again
+        except BaseException as exc:
+            result["error"] = repr(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        assert checked.wait(30)
+        go_place.set()  # the place marks the session and waits in the server
+        session = seen["session"]
+        wait_until(lambda: session._waiting and _advisory_waiting(pg) == 1)
+        go_caller.set()
+        thread.join(10)
+    finally:
+        go_place.set()
+        go_caller.set()
+        holder.release()
+        thread.join(30)
+    assert result.get("error") is None
+    assert result["enqueued"] is False
+    assert result.get("release") == "SessionBusy"
+    assert float(result["seconds"]) < 10, f"release() took {result['seconds']:.1f} s"
+    assert result["waited"] is True
+    assert not dlock.lock("tp-slip-b", using=pg, strategy="advisory").locked()
