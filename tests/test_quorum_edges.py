@@ -297,7 +297,8 @@ def test_a_database_stalling_in_the_fence_raise_is_given_up_at_the_deadline():
     # Three different fencing numbers (q1 10**12, q2 10**11, q3 its
     # sequence): whichever two answer first, the lower is raised, on q2 or
     # q3, and there the raise stalls (its row locked) until the test lets
-    # it go: exactly one database stalls in the fence-raise round.
+    # it go: one database (two, if all three answered the first round
+    # together) stalls in the fence-raise round.
     name = "lock:q-stall"
     for alias, fence in (("q1", 10**12), ("q2", 10**11)):
         with connections[alias].cursor() as cur:
@@ -320,7 +321,7 @@ def test_a_database_stalling_in_the_fence_raise_is_given_up_at_the_deadline():
         acquired = lk.acquire(timeout=1)
         elapsed = time.monotonic() - started
         # the stalled raise is still there: the caller did not wait for it
-        assert eventually(lambda: _stalled(stallers) == 1)
+        assert eventually(lambda: _stalled(stallers) >= 1)
     finally:
         for staller in stallers.values():
             staller.close()  # lets the stalled raise go
