@@ -8,12 +8,14 @@ server's queue.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
 import time
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connections
 from django.test import override_settings
 
@@ -260,6 +262,7 @@ def test_acquire_after_enqueue_waits_for_the_place(strategy, alias):
             result["seconds"] = time.monotonic() - started
             result["owned"] = lk.owned()
             lk.release()
+            result["locked"] = lk.locked()  # (the lock object still lives)
         except BaseException as exc:
             result["error"] = repr(exc)
         finally:
@@ -277,7 +280,7 @@ def test_acquire_after_enqueue_waits_for_the_place(strategy, alias):
         thread.join(30)
     assert result.get("error") is None
     assert result["enqueued"] is False and result["acquired"] is True
-    assert result["owned"] is True
+    assert result["owned"] is True and result["locked"] is False
     assert float(result["seconds"]) < 10  # granted the place, not a second queue entry
     assert _try(alias, key, strategy)  # released: nobody holds or waits for it
 
@@ -451,3 +454,28 @@ def test_a_statement_that_slipped_in_before_the_place_is_not_held_behind_it(pg, 
     assert float(result["seconds"]) < 10, f"release() took {result['seconds']:.1f} s"
     assert result["waited"] is True
     assert not dlock.lock("tp-slip-b", using=pg, strategy="advisory").locked()
+
+
+@pytest.mark.parametrize(("strategy", "alias"), CASES)
+def test_async_acquire_after_aenqueue_waits_for_the_place(strategy, alias):
+    key = f"tp-aacquire-place-{strategy}"
+    holder = Holder(alias, key, strategy)
+
+    async def main() -> dict[str, object]:
+        lk = dlock.lock(key, using=alias, strategy=strategy, ttl=30)
+        enqueued = await lk.aenqueue()
+        await asyncio.to_thread(holder.release)  # the key goes to the place
+        acquired = await lk.aacquire(timeout=3)
+        owned = await lk.aowned()
+        if acquired:
+            await lk.arelease()
+        locked = await sync_to_async(lk.locked)()  # (the lock object still lives)
+        await sync_to_async(connections.close_all)()
+        return {"enqueued": enqueued, "acquired": acquired, "owned": owned, "locked": locked}
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        holder.release()
+    assert result == {"enqueued": False, "acquired": True, "owned": True, "locked": False}
+    assert _try(alias, key, strategy)
