@@ -548,6 +548,8 @@ class Lock(Generic[_OnFailT]):
         Acquiring a lock the caller already holds counts one more level
         (re-entry); if that holding was lost meanwhile, the loss is reported
         (``lock_lost``, ``on_lost``) and the call contends like any other.
+        After :meth:`enqueue` took a place, it waits for that place, as
+        :meth:`wait` does (``False``: the place is given up).
 
         Raises:
             DatabaseUnavailable: the database could not be reached; the lock
@@ -566,7 +568,15 @@ class Lock(Generic[_OnFailT]):
         return _observed(opts, deadline, functools.partial(self._acquire, opts, deadline))
 
     def _acquire(self, opts: Options, deadline: Deadline) -> bool:
-        busy = Attempt(opts, current_holder(), deadline).run(opts.keys)
+        holder = current_holder()
+        queued = self._take_place(holder)
+        if queued is not None:  # enqueue() took a place: acquiring waits for it
+            acquired = two_phase.wait(queued, holder, deadline)
+            if not acquired:
+                _WHY_BUSY.set(HELD)
+                self._contended(queued.req.key, deadline, opts.strategy_name)
+            return acquired
+        busy = Attempt(opts, holder, deadline).run(opts.keys)
         if busy is not None:
             _WHY_BUSY.set(self._busy_reason(opts.strategy, busy))
             self._contended(busy.key, deadline, opts.strategy_name)
@@ -585,7 +595,15 @@ class Lock(Generic[_OnFailT]):
         return await _aobserved(opts, deadline, attempt)
 
     async def _aacquire(self, opts: Options, deadline: Deadline) -> bool:
-        busy = await Attempt(opts, current_holder(), deadline).arun(opts.keys)
+        holder = current_holder()
+        queued = self._take_place(holder)
+        if queued is not None:  # aenqueue() took a place: acquiring waits for it
+            acquired = await two_phase.await_lock(queued, holder, deadline)
+            if not acquired:
+                _WHY_BUSY.set(HELD)
+                self._contended(queued.req.key, deadline, opts.strategy_name)
+            return acquired
+        busy = await Attempt(opts, holder, deadline).arun(opts.keys)
         if busy is not None:
             _WHY_BUSY.set(await sync_to_async(self._busy_reason)(opts.strategy, busy))
             self._contended(busy.key, deadline, opts.strategy_name)

@@ -8,8 +8,12 @@ sleeps, or silent by a transaction that keeps the key's row locked.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -269,3 +273,183 @@ def test_enqueue_on_a_quorum_lock_says_quorum_locks_cannot():
     lk = dlock.lock("q-enqueue", using=QUORUM)
     with pytest.raises(dlock.StrategyNotSupported, match="not supported on a quorum lock"):
         lk.enqueue()
+
+
+# -- a database that stalls is given up at the caller's deadline ----------------
+
+#: the advisory key a stalled fence raise waits for (held by the test)
+_STALL_KEY = 424242
+
+_STALLING_RAISE = f"""
+CREATE OR REPLACE FUNCTION dlock_test_stalling_raise() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock({_STALL_KEY});
+    RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER dlock_test_stalling_raise BEFORE UPDATE ON django_dlock_lock
+    FOR EACH ROW WHEN (OLD.token = NEW.token AND NEW.fence > OLD.fence)
+    EXECUTE FUNCTION dlock_test_stalling_raise();
+"""
+
+
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_database_stalling_in_the_fence_raise_is_given_up_at_the_deadline():
+    # Three different fencing numbers (q1 10**12, q2 10**11, q3 its
+    # sequence): whichever two answer first, the lower is raised, on q2 or
+    # q3, and there the raise stalls (its row locked) until the test lets
+    # it go: one database (two, if all three answered the first round
+    # together) stalls in the fence-raise round.
+    name = "lock:q-stall"
+    for alias, fence in (("q1", 10**12), ("q2", 10**11)):
+        with connections[alias].cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+                "expire_at) VALUES (%s, '', '', %s, now(), now())",
+                [name, fence],
+            )
+    stallers = {}
+    for alias in ("q2", "q3"):
+        with connections[alias].cursor() as cur:
+            cur.execute(_STALLING_RAISE)
+        staller = stallers[alias] = connections[alias].copy(alias)
+        staller.connect()
+        with staller.cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(%s)", [_STALL_KEY])
+    try:
+        lk = dlock.lock("q-stall", using=QUORUM, ttl=30)
+        started = time.monotonic()
+        acquired = lk.acquire(timeout=1)
+        elapsed = time.monotonic() - started
+        # the stalled raise is still there: the caller did not wait for it
+        assert eventually(lambda: _stalled(stallers) >= 1)
+    finally:
+        for staller in stallers.values():
+            staller.close()  # lets the stalled raise go
+        for alias in ("q2", "q3"):
+            with connections[alias].cursor() as cur:
+                cur.execute("DROP TRIGGER dlock_test_stalling_raise ON django_dlock_lock")
+                cur.execute("DROP FUNCTION dlock_test_stalling_raise()")
+    assert acquired is False
+    assert elapsed < 1 + 0.5, f"acquire(timeout=1) returned after {elapsed:.2f} s"
+    # the leases taken in that round are given back, the stalled database's
+    # too once it answers: none is left to run out (ttl 30 s)
+    assert eventually(lambda: all(_free(alias, name) for alias in QUORUM), bound=15)
+
+
+def _stalled(stallers: dict) -> int:
+    """Fence raises waiting for the stalling trigger's advisory lock."""
+    count = 0
+    for staller in stallers.values():
+        with staller.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND objid = %s AND database = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database())",
+                [_STALL_KEY],
+            )
+            count += int(cur.fetchone()[0])
+    return count
+
+
+# -- a process that releases and exits at once ----------------------------------
+
+_RELEASE_AND_EXIT = """
+import django
+
+django.setup()
+import django_dlock as dlock
+
+lk = dlock.lock("q-exit", using=["q1", "q2", "q3"], ttl=30)
+assert lk.acquire(timeout=20)
+lk.release()
+print("released", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_process_that_releases_and_exits_leaves_no_lease_behind():
+    # q3 answers late: its row is locked by another session while a child
+    # process acquires (q1 and q2 grant), releases and exits at once. The
+    # row is let go only once the child is on its way out: q3's acquire then
+    # takes the lease, which must be given back before the process exits.
+    name = "lock:q-exit"
+    with connections["q3"].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+            "expire_at) VALUES (%s, '', '', 1, now(), now())",
+            [name],
+        )
+    blocker = connections["q3"].copy("q3")
+    blocker.connect()
+    blocker.set_autocommit(False)
+    with blocker.cursor() as cur:
+        cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "DLOCK_TEST_CHILD": "1"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RELEASE_AND_EXIT],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "released"
+        time.sleep(0.5)  # the child's main thread has ended: it is exiting
+    finally:
+        blocker.rollback()
+        blocker.close()
+    try:
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, stderr
+    assert "cannot schedule new futures" not in stderr
+    assert "Traceback" not in stderr, stderr
+    # every database's lease was released before the child exited: none
+    # waits to run out (ttl 30 s)
+    assert [alias for alias in QUORUM if not _free(alias, name)] == []
+
+
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_a_later_round_ends_at_the_callers_timeout():
+    # The first round is refused at once (q1 and q2 are another's); the
+    # second starts half a second later, when q1's lease has run out: q1
+    # accepts, q2 refuses and q3 stays silent (its row is locked), so that
+    # round waits for an answer until its end, which is the caller's
+    # deadline, not a second after the round began.
+    name = "lock:q-later"
+    for alias, seconds in (("q1", 0.25), ("q2", 60)):
+        with connections[alias].cursor() as cur:
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+                "expire_at) VALUES (%s, 'another', 'another', 1, now(), "
+                "now() + make_interval(secs => %s))",
+                [name, seconds],
+            )
+    with connections["q3"].cursor() as cur:
+        cur.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, "
+            "expire_at) VALUES (%s, '', '', 1, now(), now())",
+            [name],
+        )
+    blocker = connections["q3"].copy("q3")
+    blocker.connect()
+    blocker.set_autocommit(False)
+    with blocker.cursor() as cur:
+        cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+    try:
+        lk = dlock.lock("q-later", using=QUORUM, ttl=30, retry_interval=lambda attempt: 0.5)
+        started = time.monotonic()
+        acquired = lk.acquire(timeout=1)
+        elapsed = time.monotonic() - started
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert acquired is False
+    assert elapsed < 1 + 0.5, f"acquire(timeout=1) returned after {elapsed:.2f} s"
+    # what the rounds took is given back (q3's late answers too)
+    assert eventually(lambda: _free("q1", name) and _free("q3", name), bound=15)
+    assert row("q2", name) == ("another", 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 
 from django_dlock._threads import start_db_thread
@@ -22,6 +23,8 @@ from django_dlock.strategies.base import Grant, Request, Strategy
 
 #: longest a give-up waits for the cancelled statement to come back
 GIVE_UP_SECONDS = 30.0
+#: how often a give-up sends the cancel again while the statement still waits
+CANCEL_AGAIN_SECONDS = 0.2
 #: how often a place checks whether it is still wanted
 WATCH_SECONDS = 0.25
 
@@ -106,10 +109,19 @@ class Pending:
                 return
             self._state = "ended"
         self._settled.set()
-        self.waiter.cancel()
-        try:
-            grant = self.future.result(GIVE_UP_SECONDS)
-        except Exception:
-            return
+        # A cancel that reaches the server just before the statement does is
+        # ignored there (nothing runs yet): sent again until the wait ends.
+        give_up_at = time.monotonic() + GIVE_UP_SECONDS
+        while True:
+            self.waiter.cancel()
+            try:
+                grant = self.future.result(CANCEL_AGAIN_SECONDS)
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() < give_up_at:
+                    continue
+                return
+            except Exception:
+                return
+            break
         if grant is not None:  # granted just before the cancellation reached it
             self.strategy.release(self.req)

@@ -623,6 +623,35 @@ class Cancellable(Protocol):
     cancelled: bool
 
 
+#: how often a statement waiting for its session looks whether a two-phase place took it
+PLACE_LOOK_SECONDS = 0.05
+
+
+class _Using:
+    """``with session.using:`` takes the session's ``mutex`` to run a statement.
+
+    While it waits for the mutex, a two-phase place of another thread that
+    took the session meanwhile (its statement can keep the mutex until the
+    lock is granted) is :class:`SessionBusy` at once, as it would have been
+    had the place been there before.
+    """
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def __enter__(self) -> None:
+        mutex = self.session.mutex
+        if mutex.acquire(blocking=False):
+            return
+        while not mutex.acquire(timeout=PLACE_LOOK_SECONDS):
+            self.session._refuse_while_placed()
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.mutex.release()
+
+
 class Session:
     """One dedicated connection, owned by at most one holder at a time."""
 
@@ -635,6 +664,8 @@ class Session:
         self.prepared: dict[Statement, bytes] = {}
         #: serialises every use of ``conn`` (holder, renewer, watcher, sync thread)
         self.mutex = threading.Lock()
+        #: the mutex, for a statement of the holder (see :class:`_Using`)
+        self.using = _Using(self)
         #: key name -> shared? for every lock this session holds
         self.held: dict[str, bool] = {}
         self.token: str | None = None
@@ -699,7 +730,7 @@ class Session:
         self, stmt: Statement, params: Sequence[bytes], check_pid: bool
     ) -> tuple[bytes | None, ...]:
         self._refuse_while_placed()
-        with self.mutex:
+        with self.using:
             if self.lost is not None:
                 raise SessionLost(self.lost)
             pgconn = self.conn.pgconn
@@ -779,9 +810,13 @@ class Session:
             self._waiting = True
         try:
             failure: BaseException | None = None
-            with self.mutex:
+            with self.using:
                 if self.lost is not None:
                     raise SessionLost(self.lost)
+                if waiter is not None and waiter.cancelled:
+                    # cancelled while this waited for the session: the server
+                    # was sent a cancel before the statement, which it ignores
+                    raise WaitCancelled()
                 try:
                     row = self.conn.execute(sql, params).fetchone()
                 except psycopg.Error as exc:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -113,7 +114,30 @@ def submit(
         )
         return refused
     stale_at = time.monotonic() + max(budget, MIN_WAIT)
-    return _pool(alias).submit(_started, alias, stale_at, ttl, budget, op)
+    try:
+        return _pool(alias).submit(_started, alias, stale_at, ttl, budget, op)
+    except RuntimeError:
+        # The interpreter is exiting (or close_all() stopped the pool): its
+        # workers take no new statement. Run it here, to the end: a lease
+        # given back as its late acquire answers is then released before the
+        # process exits, instead of being left to run out.
+        return _run_here(alias, stale_at, ttl, budget, op)
+
+
+def _run_here(
+    alias: str,
+    stale_at: float,
+    ttl: float,
+    budget: float,
+    op: Callable[[BaseDatabaseWrapper], Any],
+) -> concurrent.futures.Future[Any]:
+    """``op`` run in the calling thread (on its own connection to ``alias``); its future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    try:
+        future.set_result(_started(alias, stale_at, ttl, budget, op))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
 
 
 def _started(
@@ -368,10 +392,20 @@ def give_back_when_done(
 
 
 def give_back(
-    futures: dict[str, concurrent.futures.Future[Any]], ttl: float, budget: float, release: Release
+    futures: dict[str, concurrent.futures.Future[Any]],
+    ttl: float,
+    budget: float,
+    release: Release,
+    wait: float | None = None,
 ) -> None:
     """Give back what a round without a majority took: the leases already
-    taken now (waiting up to ``budget`` seconds), the others on arrival."""
+    taken now, the others on arrival.
+
+    Waits up to ``wait`` seconds (by default ``budget``) for the releases;
+    a database that has not answered by then is released in the background
+    (its workers go on within ``budget``), so a caller whose time is up is
+    not kept by a stalled database.
+    """
     taken = []
     for alias, future in futures.items():
         if not future.done():
@@ -380,12 +414,25 @@ def give_back(
             taken.append(alias)
     if not taken:
         return
-    end = time.monotonic() + budget
-    done = run_round(taken, ttl, end, lambda alias: release, bool, len(taken), wait_all=True)
-    if done.failed or done.silent:
+    started = time.monotonic()
+    end = started + (budget if wait is None else min(wait, budget))
+    releases = {alias: submit(alias, ttl, budget, release) for alias in taken}
+    concurrent.futures.wait(list(releases.values()), timeout=max(0.0, end - started))
+    for alias, future in releases.items():
+        if not future.done():
+            future.add_done_callback(functools.partial(_given_back, alias, ttl))
+        else:
+            _given_back(alias, ttl, future)
+
+
+def _given_back(alias: str, ttl: float, future: concurrent.futures.Future[Any]) -> None:
+    """Log a lease of a round without a majority that could not be given back."""
+    exc = future.exception()
+    if exc is not None:
         logger.warning(
             "django-dlock: could not give back a lease of a round without a majority "
-            "(%s); it runs out within %g s",
-            done.why(),
+            "(%s: %s); it runs out within %g s",
+            alias,
+            str(exc).strip() or type(exc).__name__,
             ttl,
         )

@@ -164,21 +164,31 @@ class QuorumLease:
         after each split, up to 8 times), as Redlock advises, so that
         contenders who keep splitting the votes drift apart instead of
         meeting again at every round.
+
+        No round starts once the deadline has passed, and one that starts
+        just before it ends with it: whether the databases were reachable is
+        judged by the last round that was decided, or had at least
+        :data:`ROUND_FLOOR` to hear from them.
         """
         tries = splits = 0
+        judged: Round | None = None
         while True:
             started = time.monotonic()
             outcome = await attempt(req, deadline)
             if isinstance(outcome, Grant):
                 return outcome
+            if not outcome.timed_out or time.monotonic() - started >= ROUND_FLOOR:
+                judged = outcome
             if deadline.expired():
-                return self._gave_up(req, outcome)
+                return self._gave_up(req, judged or outcome)
             pause = interval(policy, tries)
             if outcome.accepted:
                 spread = (time.monotonic() - started) * min(2**splits, 8)
                 pause += random.uniform(0.0, spread)
                 splits += 1
             await sleep(min(pause, deadline.remaining()))
+            if deadline.expired():
+                return self._gave_up(req, judged or outcome)
             tries += 1
 
     async def _aattempt(self, req: Request, deadline: Deadline) -> Grant | Round:
@@ -199,8 +209,7 @@ class QuorumLease:
             except Exception:
                 logger.exception("django-dlock: could not give back %s", req.key.name)
 
-    def _gave_up(self, req: Request, last: Grant | Round) -> Grant | None:
-        assert isinstance(last, Round)
+    def _gave_up(self, req: Request, last: Round) -> Grant | None:
         down = len(last.failed) + (len(last.silent) if last.timed_out else 0)
         answered = len(self.aliases) - down
         if answered < self.need:
@@ -215,7 +224,9 @@ class QuorumLease:
         """One round: a grant, or what the databases said."""
         started = time.monotonic()
         validity_end = started + req.ttl - drift(req.ttl)
-        end = min(validity_end, max(deadline.end, started + ROUND_FLOOR))
+        # (the floor counts from the start of the acquire, not of this round:
+        # a later round never runs past the caller's timeout)
+        end = min(validity_end, max(deadline.end, deadline.start + ROUND_FLOOR))
         token = f"{req.token}#{secrets.token_hex(4)}"
         mine = dataclasses.replace(req, token=token)
 
@@ -242,8 +253,12 @@ class QuorumLease:
             return Grant(fence, started)
         # Given back before the next round: left to the background, a lease
         # could still be there when the caller's next round asks, and refuse
-        # it (each round has its own token).
-        give_back(first.futures, mine.ttl, ROUND_FLOOR, lambda c: lease.release_on(c, mine))
+        # it (each round has its own token). Waited for only until the
+        # round's end (the caller's deadline, or the floor of a single try):
+        # a database that stalls is released in the background.
+        release = functools.partial(lease.release_on, req=mine)
+        wait = max(0.0, end - time.monotonic())
+        give_back(first.futures, mine.ttl, ROUND_FLOOR, release, wait=wait)
         return first
 
     def _refuse_twins(self, first: Round, mine: Request) -> None:
