@@ -42,6 +42,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import queue
 import random
@@ -62,6 +63,8 @@ TABLE = "dlock_campaign"
 #: a loss reported when the database's lease had at most this much left is
 #: the holder's own clock running out first (see check())
 EARLY = 0.25
+#: an acquire that returns this much later than its timeout is counted (not a violation)
+OVERRUN = 2.0
 KEY_PREFIX = "campaign:"
 
 # -- the holder processes ------------------------------------------------------
@@ -732,12 +735,14 @@ def check(alias: str, folder: Path, faults: list[_Fault], ttl: float, notes: lis
         guards: dict[str, dict[str, Any]] = {}
         outers: dict[str, dict[str, Any]] = {}
         steps: dict[int, list[str]] = collections.defaultdict(list)
+        timeouts: dict[int, float] = {}
         for ev in events:
             kind = ev["ev"]
             if ev.get("gid") is not None and kind in ("call", "guard_end", "outer", "outer_end"):
                 steps[ev["gid"]].append(_step(ev))
             if kind == "acquire":
                 starts[ev["gid"]] = ev["m"]
+                timeouts[ev["gid"]] = ev.get("timeout", math.inf)
                 report.counts["acquires"] += 1
             elif kind == "grant":
                 grants[ev["gid"]] = ev
@@ -749,6 +754,9 @@ def check(alias: str, folder: Path, faults: list[_Fault], ttl: float, notes: lis
             elif kind == "call":
                 where = ev["where"]
                 report.slowest[where] = max(report.slowest.get(where, 0.0), ev["took"])
+                limit = timeouts.get(ev.get("gid"), math.inf) + OVERRUN
+                if where in ("enter", "acquire") and ev["took"] > limit:
+                    report.counts[f"acquires that overran their timeout by > {OVERRUN:.0f}s"] += 1
                 if not ev["ok"]:
                     if ev.get("raw"):
                         report.raw_error(
