@@ -63,7 +63,8 @@ TABLE = "dlock_campaign"
 #: a loss reported when the database's lease had at most this much left is
 #: the holder's own clock running out first (see check())
 EARLY = 0.25
-#: an acquire that returns this much later than its timeout is counted (not a violation)
+#: an acquire that returns this much later than its timeout, its holder not
+#: paused meanwhile, is counted (not a violation)
 OVERRUN = 2.0
 KEY_PREFIX = "campaign:"
 
@@ -755,7 +756,12 @@ def check(alias: str, folder: Path, faults: list[_Fault], ttl: float, notes: lis
                 where = ev["where"]
                 report.slowest[where] = max(report.slowest.get(where, 0.0), ev["took"])
                 limit = timeouts.get(ev.get("gid"), math.inf) + OVERRUN
-                if where in ("enter", "acquire") and ev["took"] > limit:
+                paused = [
+                    f
+                    for f in touched(holder, ev["m"] - ev["took"], ev["m"])
+                    if f.kind == "stop" and f.holder == holder
+                ]
+                if where in ("enter", "acquire") and ev["took"] > limit and not paused:
                     report.counts[f"acquires that overran their timeout by > {OVERRUN:.0f}s"] += 1
                 if not ev["ok"]:
                     if ev.get("raw"):
