@@ -258,6 +258,7 @@ class _Holder:
                 granted = ok
             if not granted:
                 self.grant = None
+                time.sleep(self.rng.uniform(0, 0.05))  # (no hot loop on a broken connection)
                 continue
             fence = lk.fence
             self.grant.fence = fence
