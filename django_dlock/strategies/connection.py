@@ -74,6 +74,7 @@ __all__ = [
     "behind_pooler",
     "may_prepare",
     "close_private_connections",
+    "committed_view",
     "cursor",
     "deadline_end",
     "direct_alias",
@@ -544,6 +545,12 @@ def _thread_private(alias: str) -> BaseDatabaseWrapper:
         private = _private_connection(alias)
         cache[alias] = private
     return private
+
+
+def committed_view(alias: str) -> BaseDatabaseWrapper:
+    """This thread's private connection to ``alias``, in autocommit: it reads
+    what is committed, never the caller's open transaction."""
+    return _thread_private(alias)
 
 
 def uses_django_pool(connection: BaseDatabaseWrapper) -> bool:

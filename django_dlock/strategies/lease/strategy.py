@@ -37,6 +37,7 @@ from django_dlock.strategies.base import (
     TakesTickets,
 )
 from django_dlock.strategies.connection import (
+    committed_view,
     execute,
     fetch_one,
     lock_connection,
@@ -68,21 +69,41 @@ def _release_after_transaction(
     connection can write until it ends, and the release runs on the
     caller's connection, as part of that transaction: free the moment it
     commits. A rollback would undo it and leave the lock held until its
-    lease runs out, so a thread of its own releases the lease again as soon
-    as the caller's transaction has ended (nobody else could take the key
-    before that); after a commit that finds nothing left to do. That
-    statement matches the fencing number read first: a new grant of the
-    same key in the meantime is left alone.
+    lease runs out, so a thread of its own releases the committed lease
+    again as soon as the caller's transaction has ended (nobody else could
+    take the key before that); after a commit that finds nothing left to
+    do. That statement matches the fencing number committed before the
+    release (read on the thread's private connection, which does not see
+    the caller's transaction): a grant made inside the caller's transaction
+    is undone by its rollback, and a new grant of the same key afterwards
+    (the same thread trying again) is left alone.
+
+    A transaction that failed (an error inside ``transaction.atomic``: Django
+    lets no statement run in it until it is rolled back) is only read, on
+    the driver's connection, to tell whether the lease was still the
+    caller's; its rollback and the thread do the rest.
     """
-    now = dbclock.now_sql(caller)
-    found = fetch_one(
-        caller,
-        f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}",
-        [req.row, req.token],
-    )
-    if found is None:
-        return False
-    params = [req.row, req.token, int(found[0])]
+    live = f"expire_at > {dbclock.now_sql(caller)}"
+    mine = f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND {live}"
+    try:
+        committed = fetch_one(committed_view(req.alias), mine, [req.row, req.token])
+    except OperationalError as exc:  # the caller's transaction keeps even readers out
+        logger.warning(
+            "django-dlock: could not read the lease of %s outside its holder's "
+            "transaction: %s; if that transaction rolls back, the lease runs out on its own",
+            req.row,
+            exc,
+        )
+        committed = None
+    if caller.needs_rollback:
+        # (sqlite3's own placeholders: Django's cursor refuses to run here)
+        raw_sql = mine % ("?", "?")
+        released = caller.connection.execute(raw_sql, [req.row, req.token]).fetchone() is not None
+    else:
+        released = release_on(caller, req)
+    if committed is None:
+        return released
+    params = [req.row, req.token, int(committed[0])]
     until = time.monotonic() + req.ttl
 
     def release() -> None:
@@ -106,7 +127,6 @@ def _release_after_transaction(
                     return
                 time.sleep(_AFTER_TRANSACTION_POLL)
 
-    released = release_on(caller, req)
     start_db_thread(release, "django-dlock-release-after-transaction", alias=req.alias)
     return released
 
