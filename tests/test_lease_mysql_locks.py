@@ -155,9 +155,9 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
     with dlock.semaphore("dl", permits=3, using=ALIAS):  # the permits' rows exist
         pass
 
-    def take() -> bool:  # locks permit 0, then waits for permit 1
+    def take() -> bool:  # locks permit 0, then waits for permit 1 (within its timeout)
         sem = dlock.semaphore("dl", permits=3, using=ALIAS, ttl=30)
-        taken = sem.acquire(timeout=0)
+        taken = sem.acquire(timeout=20)
         sem.release()
         return taken
 
@@ -182,3 +182,50 @@ def test_a_cleanup_batch_chosen_as_a_deadlock_victim_runs_again():
     # the batch deletes row 1, then waits for row 2
     got = in_a_deadlock("dl-free-2", "dl-free-1", lambda: delete_free(using=ALIAS))
     assert got == [2], got
+
+
+def a_lock(kind: str, timeout: float | None = None) -> Any:
+    """The lock of the key ``pinned``: a lock, a read lock, a semaphore's permit."""
+    if kind == "permit":
+        return dlock.semaphore("pinned", permits=1, using=ALIAS, timeout=timeout)
+    return dlock.lock("pinned", using=ALIAS, shared=kind == "shared", timeout=timeout)
+
+
+@contextmanager
+def row_held(kind: str) -> Iterator[None]:
+    """Another session holds the key's lease row (created first) ``FOR
+    UPDATE`` until the block ends: a stalled transaction."""
+    lk = a_lock(kind)
+    assert lk.acquire(timeout=0)
+    lk.release()
+    name = "semaphore:pinned#0" if kind == "permit" else "lock:pinned"
+    other = connections[ALIAS].copy()
+    try:
+        with other.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+            assert cur.fetchone() is not None
+            yield
+            cur.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("timeout", [0, 2])
+@pytest.mark.parametrize("kind", ["exclusive", "shared", "permit"])
+def test_an_acquire_behind_a_row_held_elsewhere_times_out_at_its_timeout(timeout, kind):
+    """A stalled transaction holds the lock's row: the acquire waits for it no
+    longer than its timeout (not innodb_lock_wait_timeout, 50 s by default),
+    and says so as a timeout, never the server's error 1205."""
+    with row_held(kind):
+        lk = a_lock(kind)
+        started = time.monotonic()
+        assert lk.acquire(timeout=timeout) is False
+        assert time.monotonic() - started < timeout + 5
+        started = time.monotonic()
+        with pytest.raises(dlock.LockTimeout), a_lock(kind, timeout):
+            pass
+        assert time.monotonic() - started < timeout + 5
+    # the row let go: the key is free again
+    assert lk.acquire(timeout=timeout)
+    lk.release()

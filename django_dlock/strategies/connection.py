@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import math
 import os
 import re
 import select
@@ -71,6 +72,7 @@ __all__ = [
     "DIRECT_GRACE",
     "STATEMENT_FLOOR",
     "Abandoned",
+    "LockWaitEnded",
     "behind_pooler",
     "may_prepare",
     "close_private_connections",
@@ -82,6 +84,7 @@ __all__ = [
     "fetch_one",
     "guard_statements",
     "in_savepoint",
+    "lock_wait_ended",
     "lock_connection",
     "not_migrated",
     "psycopg3",
@@ -654,6 +657,11 @@ def _failed(connection: BaseDatabaseWrapper, exc: DatabaseError) -> NoReturn:
         ) from exc
     if tables_missing(exc):
         raise not_migrated(connection.alias) from exc
+    if lock_wait_ended(exc):
+        raise LockWaitEnded(
+            f"a lock statement on database {connection.alias!r} waited for a row "
+            "that another session holds until its bound (innodb_lock_wait_timeout)"
+        ) from exc
     raise exc
 
 
@@ -688,7 +696,16 @@ def not_migrated(alias: str) -> NotMigrated:
 def cursor(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
     """A cursor for lock statements: a database that cannot be reached raises
     :class:`DatabaseUnavailable`, and a broken connection is closed so the
-    next call reconnects."""
+    next call reconnects. On MySQL/MariaDB, while an acquire's deadline is
+    watched, a statement waits for another session's row lock no longer
+    than the deadline (:class:`LockWaitEnded` then)."""
+    if (
+        connection.vendor == "mysql"
+        and _deadline.get() is not None
+        and _bound_lock_wait not in connection.execute_wrappers
+    ):
+        _mariadb(connection)  # (asked first: Django asks the server, with a statement)
+        connection.execute_wrappers.insert(0, _bound_lock_wait)  # pop() of others keeps it
     try:
         with connection.cursor() as cur:
             yield cur
@@ -840,10 +857,66 @@ def deadlocked(exc: BaseException) -> bool:
     return state == _PG_DEADLOCK
 
 
+def lock_wait_ended(exc: BaseException) -> bool:
+    """Whether ``exc`` is MySQL/MariaDB's lock wait timeout (error 1205): a
+    statement waited for a row another session holds until its bound (the
+    lock's deadline, see :func:`cursor`) and was rolled back, the
+    transaction it ran in still open."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] == _MYSQL_LOCK_WAIT
+
+
+class LockWaitEnded(Abandoned):
+    """MySQL/MariaDB: a lock statement waited for a row lock that another
+    session holds until the lock's deadline (error 1205). Lock acquisitions
+    turn it into their usual timeout; the connection stays open."""
+
+
 #: MySQL/MariaDB's ER_LOCK_DEADLOCK
 _MYSQL_DEADLOCK = 1213
 #: PostgreSQL's deadlock_detected
 _PG_DEADLOCK = "40P01"
+#: MySQL/MariaDB's ER_LOCK_WAIT_TIMEOUT
+_MYSQL_LOCK_WAIT = 1205
+
+#: the statements whose lock waits are bounded by the lock's deadline (not
+#: START TRANSACTION, COMMIT, ROLLBACK, SET)
+_WAITS_FOR_ROWS = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|REPLACE|WITH)\b", re.IGNORECASE)
+_MYSQL_SET_WAIT = (
+    "SET @django_dlock_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
+    "SESSION innodb_lock_wait_timeout = %d"
+)
+_MYSQL_RESET_WAIT = "SET SESSION innodb_lock_wait_timeout = @django_dlock_lock_wait"
+
+
+def _mariadb(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a MySQL connection's server is MariaDB (Django asks it once)."""
+    return bool(connection.mysql_is_mariadb)  # type: ignore[attr-defined]
+
+
+def _bound_lock_wait(
+    execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    """MySQL/MariaDB, while an acquire's deadline is watched: a statement waits
+    for another session's row lock (``innodb_lock_wait_timeout``, whole
+    seconds) until the deadline, at least a second, instead of the server's
+    bound (50 s by default). MariaDB sets it for the statement alone
+    (``SET STATEMENT … FOR``); MySQL sets the session's value around it."""
+    end = _deadline.get()
+    if end is None or not _WAITS_FOR_ROWS.match(sql):
+        return execute(sql, params, many, context)
+    seconds = max(1, math.ceil(end - time.monotonic()))
+    if _mariadb(context["connection"]):
+        bounded = f"SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR {sql}"
+        return execute(bounded, params, many, context)
+    raw = context["cursor"].cursor
+    raw.execute(_MYSQL_SET_WAIT % seconds)
+    try:
+        return execute(sql, params, many, context)
+    finally:
+        with contextlib.suppress(Exception):  # (a connection lost meanwhile has no session)
+            raw.execute(_MYSQL_RESET_WAIT)
 
 
 def again_if_deadlocked(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:

@@ -56,6 +56,7 @@ from django_dlock.strategies.connection import (
     cursor,
     deadlocked,
     fetch_one,
+    lock_wait_ended,
 )
 from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
 from django_dlock.strategies.lease.strategy import QUEUED_AHEAD, LeaseStrategy
@@ -342,6 +343,8 @@ class PermitStrategy(LeaseStrategy):
                     continue
                 except OperationalError as exc:
                     cur.execute("ROLLBACK")
+                    if lock_wait_ended(exc):  # a slot held elsewhere until the deadline
+                        return None, None
                     if deadlocked(exc):  # rolled back whole: nothing was taken
                         continue
                     raise

@@ -56,6 +56,7 @@ from django_dlock.strategies import queue
 from django_dlock.strategies.base import Request, Upgrades
 from django_dlock.strategies.connection import (
     DEADLOCK_RETRIES,
+    LockWaitEnded,
     cursor,
     deadlocked,
     fetch_one,
@@ -372,7 +373,10 @@ class SharedLeaseStrategy(LeaseStrategy):
     def acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
     ) -> int | None:
-        return _again(lambda: self._acquire_on(connection, req, ticket))
+        try:
+            return _again(lambda: self._acquire_on(connection, req, ticket))
+        except LockWaitEnded:  # the key's row held elsewhere until the deadline
+            return None
 
     def _acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
