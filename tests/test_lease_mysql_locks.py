@@ -64,10 +64,17 @@ def a_transaction_waits() -> bool:
         return bool(cur.fetchone()[0])
 
 
-def in_a_deadlock(first: str, then: str, victim: Callable[[], Any]) -> list[Any]:
+#: how the heavier transaction of :func:`in_a_deadlock` locks a lease row
+LOCK_ROW = "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE"
+
+
+def in_a_deadlock(
+    first: str, then: str, victim: Callable[[], Any], lock_first: str = LOCK_ROW
+) -> list[Any]:
     """What ``victim()`` returned (or raised), run in a thread against a heavier
-    transaction that locks the row ``first``, waits until ``victim`` waits for
-    it, then asks for the row ``then``: a deadlock if ``victim`` holds it.
+    transaction that locks the row ``first`` (with ``lock_first``), waits until
+    ``victim`` waits for it, then asks for the row ``then``: a deadlock if
+    ``victim`` holds it.
     The heavier transaction writes rows first, so that InnoDB never picks it
     as the deadlock's victim."""
     holds, asks = threading.Event(), threading.Event()
@@ -82,10 +89,10 @@ def in_a_deadlock(first: str, then: str, victim: Callable[[], Any]) -> list[Any]
                         "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6))",
                         [f"weight-{i}"],
                     )
-                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [first])
+                cur.execute(lock_first, [first])
                 holds.set()
                 asks.wait(30)
-                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [then])
+                cur.execute(LOCK_ROW, [then])
                 transaction.set_rollback(True, using=ALIAS)
         except BaseException as exc:
             errors.append(exc)
@@ -167,21 +174,26 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
 
 
 def test_a_cleanup_batch_chosen_as_a_deadlock_victim_runs_again():
-    """A cleanup batch deletes free rows in ``id`` order; a transaction locking
-    them in the other order makes a deadlock, InnoDB rolls the lighter one back
-    (the batch, which has written nothing), and the batch runs again."""
+    """A cleanup batch locks the free rows it deletes, then the fence floor's
+    row; a transaction holding the floor's row and asking for one of those
+    rows makes a deadlock, InnoDB rolls the lighter one back (the batch, which
+    has written nothing), and the batch runs again. It skips a row the other
+    transaction still holds then; the next run deletes it."""
     from django_dlock.cleanup import delete_free
 
     with connections[ALIAS].cursor() as cur:
-        for name in ("dl-free-1", "dl-free-2"):  # in id order
+        cur.execute("INSERT IGNORE INTO django_dlock_fencefloor (id, value) VALUES (1, 0)")
+        for name in ("dl-free-1", "dl-free-2"):
             cur.execute(
                 "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
                 "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
                 [name],
             )
-    # the batch deletes row 1, then waits for row 2
-    got = in_a_deadlock("dl-free-2", "dl-free-1", lambda: delete_free(using=ALIAS))
-    assert got == [2], got
+    # the batch locks both rows, then waits for the floor's row
+    floor = "SELECT 1 FROM django_dlock_fencefloor WHERE id = %s FOR UPDATE"
+    got = in_a_deadlock("1", "dl-free-1", lambda: delete_free(using=ALIAS), floor)
+    assert got in ([1], [2]), got
+    assert got[0] + delete_free(using=ALIAS) == 2
 
 
 def a_lock(kind: str, timeout: float | None = None) -> Any:
@@ -229,3 +241,59 @@ def test_an_acquire_behind_a_row_held_elsewhere_times_out_at_its_timeout(timeout
     # the row let go: the key is free again
     assert lk.acquire(timeout=timeout)
     lk.release()
+
+
+def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
+    """A stalled transaction holds a free row ``FOR UPDATE``. A cleanup run
+    meanwhile deletes the other free rows, skips that one (the next run
+    deletes it) and finishes; an acquire of an unrelated new key (which
+    reads the fence floor) never waits for the cleanup."""
+    import io
+
+    from django.core.management import call_command
+
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("INSERT IGNORE INTO django_dlock_fencefloor (id, value) VALUES (1, 0)")
+        for name in ("lock:free-1", "lock:stalled", "lock:free-2"):
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                "VALUES (%s, '', '', 7, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
+                [name],
+            )
+    outcome: list[Any] = []
+
+    def clean() -> None:
+        try:
+            call_command("dlock_cleanup", using=ALIAS, stdout=io.StringIO())
+            outcome.append("done")
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    stalled = connections[ALIAS].copy()
+    cleaner = threading.Thread(target=clean)
+    try:
+        with stalled.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:stalled' FOR UPDATE")
+            cleaner.start()
+            wait_until(lambda: bool(outcome) or a_transaction_waits())
+            lk = dlock.lock("unrelated-new-key", using=ALIAS)
+            assert lk.acquire(timeout=3)
+            lk.release()
+            wait_until(lambda: bool(outcome), timeout=10)  # not behind the stalled row
+            cur.execute("ROLLBACK")
+    finally:
+        cleaner.join(60)
+        stalled.close()
+    assert outcome == ["done"], outcome
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT name FROM django_dlock_lock WHERE name LIKE 'lock:%%' ORDER BY name")
+        assert [row[0] for row in cur.fetchall()] == ["lock:stalled", "lock:unrelated-new-key"]
+        cur.execute("SELECT value FROM django_dlock_fencefloor WHERE id = 1")
+        assert cur.fetchone()[0] == 7
+    call_command("dlock_cleanup", using=ALIAS, stdout=io.StringIO())  # the next run
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT count(*) FROM django_dlock_lock WHERE name = 'lock:stalled'")
+        assert cur.fetchone()[0] == 0
