@@ -297,3 +297,92 @@ def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
     with connections[ALIAS].cursor() as cur:
         cur.execute("SELECT count(*) FROM django_dlock_lock WHERE name = 'lock:stalled'")
         assert cur.fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
+def test_an_acquire_behind_the_tables_auto_increment_lock_times_out_at_its_timeout(shared):
+    """Another transaction inserts into the lock table with a bulk insert
+    (``INSERT … SELECT``), which holds the table's AUTO-INC lock until the
+    statement ends, and that insert waits for a row a stalled transaction
+    holds. An acquire that creates a new key's row waits for the AUTO-INC
+    lock; InnoDB ends that wait with error 1467 ("Failed to read
+    auto-increment value from storage engine"), which is the acquire's
+    timeout, never a driver error."""
+    with dlock.lock("held", using=ALIAS):  # the row exists
+        pass
+    stalled = connections[ALIAS].copy()
+    inserted: list[Any] = []
+
+    def bulk_insert() -> None:
+        bulk = connections[ALIAS].copy()
+        try:
+            with bulk.cursor() as cur:
+                cur.execute(
+                    "INSERT IGNORE INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                    "SELECT 'lock:held', '', '', 0, UTC_TIMESTAMP(6)"
+                )
+            inserted.append("done")
+        except BaseException as exc:
+            inserted.append(exc)
+        finally:
+            bulk.close()
+
+    inserting = threading.Thread(target=bulk_insert)
+    try:
+        with stalled.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:held' FOR UPDATE")
+            inserting.start()
+            wait_until(a_transaction_waits)
+            lk = dlock.lock("fresh", using=ALIAS, shared=shared)
+            started = time.monotonic()
+            assert lk.acquire(timeout=2) is False
+            assert time.monotonic() - started < 2 + 5
+            cur.execute("ROLLBACK")
+    finally:
+        stalled.close()
+        inserting.join(60)
+    assert inserted == ["done"], inserted
+    assert lk.acquire(timeout=2)
+    lk.release()
+
+
+def test_a_reader_that_creates_its_keys_row_keeps_no_other_insert_waiting():
+    """A reader creates its key's missing row while a stalled transaction
+    (at REPEATABLE READ, the server's default) holds the gap where it goes,
+    and waits. Meanwhile an acquire of an
+    unrelated new key inserts its row elsewhere in the table: it never
+    waits for the reader (a bulk insert would hold the table's AUTO-INC
+    lock while it waits, and the other insert would end with error 1467)."""
+    with dlock.lock("m", using=ALIAS):  # a row after the gap of lock:k, before lock:z
+        pass
+    stalled = connections[ALIAS].copy()
+    read: list[Any] = []
+
+    def reader() -> None:
+        try:
+            lk = dlock.lock("k", using=ALIAS, shared=True)
+            read.append(lk.acquire(timeout=30))
+            lk.release()
+        except BaseException as exc:
+            read.append(exc)
+        finally:
+            connections.close_all()
+
+    reading = threading.Thread(target=reader)
+    try:
+        with stalled.cursor() as cur:
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:k' FOR UPDATE")
+            reading.start()
+            wait_until(lambda: bool(read) or a_transaction_waits())  # the reader's insert
+            assert not read, read
+            lk = dlock.lock("z", using=ALIAS)
+            assert lk.acquire(timeout=3)
+            lk.release()
+            cur.execute("ROLLBACK")
+    finally:
+        stalled.close()
+        reading.join(60)
+    assert read == [True], read

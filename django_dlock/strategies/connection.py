@@ -858,19 +858,22 @@ def deadlocked(exc: BaseException) -> bool:
 
 
 def lock_wait_ended(exc: BaseException) -> bool:
-    """Whether ``exc`` is MySQL/MariaDB's lock wait timeout (error 1205): a
-    statement waited for a row another session holds until its bound (the
-    lock's deadline, see :func:`cursor`) and was rolled back, the
-    transaction it ran in still open."""
+    """Whether ``exc`` says that a MySQL/MariaDB statement waited for another
+    session's lock and ended without it: a row lock until its bound (the
+    lock's deadline, see :func:`cursor`; error 1205, the statement rolled
+    back, its transaction still open), or a table's AUTO-INC lock, a wait
+    that InnoDB ends, at that bound or in a deadlock, with error 1467
+    ("Failed to read auto-increment value from storage engine"). Either way
+    the statement wrote nothing."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     args: tuple[Any, ...] = getattr(cause, "args", ())
-    return bool(args) and args[0] == _MYSQL_LOCK_WAIT
+    return bool(args) and args[0] in (_MYSQL_LOCK_WAIT, _MYSQL_AUTOINC_FAILED)
 
 
 class LockWaitEnded(Abandoned):
-    """MySQL/MariaDB: a lock statement waited for a row lock that another
-    session holds until the lock's deadline (error 1205). Lock acquisitions
-    turn it into their usual timeout; the connection stays open."""
+    """MySQL/MariaDB: a lock statement waited for a lock that another session
+    holds and ended without it (see :func:`lock_wait_ended`). Lock
+    acquisitions turn it into their usual timeout; the connection stays open."""
 
 
 #: MySQL/MariaDB's ER_LOCK_DEADLOCK
@@ -879,6 +882,8 @@ _MYSQL_DEADLOCK = 1213
 _PG_DEADLOCK = "40P01"
 #: MySQL/MariaDB's ER_LOCK_WAIT_TIMEOUT
 _MYSQL_LOCK_WAIT = 1205
+#: MySQL/MariaDB's ER_AUTOINC_READ_FAILED
+_MYSQL_AUTOINC_FAILED = 1467
 
 #: the statements whose lock waits are bounded by the lock's deadline (not
 #: START TRANSACTION, COMMIT, ROLLBACK, SET)

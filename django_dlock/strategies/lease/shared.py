@@ -63,7 +63,14 @@ from django_dlock.strategies.connection import (
     in_savepoint,
     with_reconnect,
 )
-from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
+from django_dlock.strategies.lease.sql import (
+    _FENCE,
+    FAST_COMMIT,
+    MYSQL_CREATE,
+    TABLE,
+    WAITERS,
+    read,
+)
 from django_dlock.strategies.lease.strategy import LeaseStrategy
 from django_dlock.strategies.lease.waiting import Look
 from django_dlock.tables import FENCE_FLOOR_TABLE
@@ -129,11 +136,7 @@ _CREATE_KEY_ROW = {
         f"SELECT %s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0), "
         f"NULL, {dbclock._NOW['sqlite']} ON CONFLICT (name) DO NOTHING"
     ),
-    "mysql": (
-        f"INSERT IGNORE INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
-        f"SELECT %s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0), "
-        "NULL, UTC_TIMESTAMP(6)"
-    ),
+    "mysql": MYSQL_CREATE,
 }
 _GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX", "mysql": "GREATEST"}
 
