@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import OperationalError, connections
@@ -61,6 +62,7 @@ def _release_after_transaction(
     caller: BaseDatabaseWrapper,
     req: Request,
     release_on: Callable[[BaseDatabaseWrapper, Request], bool],
+    release_fenced: Callable[[BaseDatabaseWrapper, Request, int], object] | None = None,
 ) -> bool:
     """SQLite: release ``req`` in the caller's writing transaction, and again
     once that transaction has ended.
@@ -82,6 +84,10 @@ def _release_after_transaction(
     lets no statement run in it until it is rolled back) is only read, on
     the driver's connection, to tell whether the lease was still the
     caller's; its rollback and the thread do the rest.
+
+    ``release_fenced(connection, req, fence)``: the release after the
+    transaction, of the lease with that fencing number only (a reader's;
+    without it, the lease row's).
     """
     live = f"expire_at > {dbclock.now_sql(caller)}"
     mine = f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND {live}"
@@ -103,7 +109,7 @@ def _release_after_transaction(
         released = release_on(caller, req)
     if committed is None:
         return released
-    params = [req.row, req.token, int(committed[0])]
+    params: list[Any] = [req.row, req.token, int(committed[0])]
     until = time.monotonic() + req.ttl
 
     def release() -> None:
@@ -114,7 +120,10 @@ def _release_after_transaction(
         )
         while True:
             try:
-                execute(connection, sql, params)
+                if release_fenced is None:
+                    execute(connection, sql, params)
+                else:
+                    release_fenced(connection, req, params[2])
                 return
             except OperationalError as exc:  # still locked by the caller's transaction
                 if time.monotonic() > until:
