@@ -39,7 +39,7 @@ from typing import Any
 from django.db import OperationalError, connections, transaction
 
 from django_dlock import dbclock
-from django_dlock.strategies.connection import again_if_deadlocked
+from django_dlock.strategies.connection import again_if_deadlocked, lock_wait_ended
 from django_dlock.tables import FENCE_FLOOR_TABLE, FENCE_SEQUENCE, LOCK_TABLE, WAITER_TABLE
 
 logger = logging.getLogger("django_dlock")
@@ -304,7 +304,14 @@ def _one_batch(
         with transaction.atomic(using=using), connection.cursor() as cur:
             return _generic_batch(cur, connection.vendor, batch_size, before, where, params)
 
-    return again_if_deadlocked(connection, run)
+    try:
+        return again_if_deadlocked(connection, run)
+    except OperationalError as exc:
+        if connection.in_atomic_block or not lock_wait_ended(exc):
+            raise
+        # (the fence floor's row, held by a stalled transaction: the next run goes on)
+        logger.warning("django-dlock: cleanup of %r stopped: %s", using, exc)
+        return 0, None
 
 
 def _id_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:
@@ -408,5 +415,22 @@ def delete_dead_waiters(using: str) -> int:
             cur.execute(_PG_DEAD_WAITERS.format(wake=wake))
             row = cur.fetchone()
             return int(row[0]) if row else 0
+        if connection.vendor == "mysql":
+            return _mysql_dead_waiters(connection, cur)
         cur.execute(f"DELETE FROM {WAITERS} WHERE expire_at <= {dbclock.now_sql(connection)}", [])
+        return int(cur.rowcount)
+
+
+def _mysql_dead_waiters(connection: Any, cur: Any) -> int:
+    """MySQL/MariaDB: delete the tickets that ran out, but for those that
+    another session keeps locked (a stalled transaction): never waited for."""
+    with transaction.atomic(using=connection.alias):
+        cur.execute(
+            f"SELECT id FROM {WAITERS} WHERE expire_at <= UTC_TIMESTAMP(6) FOR UPDATE SKIP LOCKED"
+        )
+        found = [row[0] for row in cur.fetchall()]
+        if not found:
+            return 0
+        marks = ", ".join(["%s"] * len(found))
+        cur.execute(f"DELETE FROM {WAITERS} WHERE id IN ({marks})", found)
         return int(cur.rowcount)

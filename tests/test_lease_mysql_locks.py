@@ -244,10 +244,11 @@ def test_an_acquire_behind_a_row_held_elsewhere_times_out_at_its_timeout(timeout
 
 
 def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
-    """A stalled transaction holds a free row ``FOR UPDATE``. A cleanup run
-    meanwhile deletes the other free rows, skips that one (the next run
-    deletes it) and finishes; an acquire of an unrelated new key (which
-    reads the fence floor) never waits for the cleanup."""
+    """A stalled transaction holds a free row and a dead waiter's ticket ``FOR
+    UPDATE``. A cleanup run meanwhile deletes the other free rows, skips
+    those (the next run deletes them) and finishes; an acquire of an
+    unrelated new key (which reads the fence floor) never waits for the
+    cleanup."""
     import io
 
     from django.core.management import call_command
@@ -260,6 +261,10 @@ def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
                 "VALUES (%s, '', '', 7, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
                 [name],
             )
+        cur.execute(
+            "INSERT INTO django_dlock_waiter (name, token, owner, enqueued_at, expire_at) "
+            "VALUES ('lock:gone', '', '', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)"
+        )
     outcome: list[Any] = []
 
     def clean() -> None:
@@ -277,6 +282,7 @@ def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
         with stalled.cursor() as cur:
             cur.execute("START TRANSACTION")
             cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:stalled' FOR UPDATE")
+            cur.execute("SELECT id FROM django_dlock_waiter WHERE name = 'lock:gone' FOR UPDATE")
             cleaner.start()
             wait_until(lambda: bool(outcome) or a_transaction_waits())
             lk = dlock.lock("unrelated-new-key", using=ALIAS)
@@ -296,6 +302,8 @@ def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
     call_command("dlock_cleanup", using=ALIAS, stdout=io.StringIO())  # the next run
     with connections[ALIAS].cursor() as cur:
         cur.execute("SELECT count(*) FROM django_dlock_lock WHERE name = 'lock:stalled'")
+        assert cur.fetchone()[0] == 0
+        cur.execute("SELECT count(*) FROM django_dlock_waiter")
         assert cur.fetchone()[0] == 0
 
 
