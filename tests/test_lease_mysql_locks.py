@@ -394,3 +394,28 @@ def test_a_reader_that_creates_its_keys_row_keeps_no_other_insert_waiting():
         stalled.close()
         reading.join(60)
     assert read == [True], read
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "shared", "permit"])
+def test_the_session_bound_of_mysql_also_ends_the_wait_and_is_restored(monkeypatch, kind):
+    """MySQL has no ``SET STATEMENT``: the bound is the session's
+    ``innodb_lock_wait_timeout``, set around each statement and restored.
+    That variant, run here on MariaDB (which accepts it too), ends the wait
+    at the timeout, leaves the statements' rows alone and the session's
+    value as it was."""
+    from django_dlock.strategies import connection
+
+    monkeypatch.setattr(connection, "_mariadb", lambda _connection: False)
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+        before = cur.fetchone()[0]
+    with row_held(kind):
+        lk = a_lock(kind)
+        started = time.monotonic()
+        assert lk.acquire(timeout=2) is False
+        assert time.monotonic() - started < 2 + 5
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+        assert cur.fetchone()[0] == before
+    assert lk.acquire(timeout=2)
+    lk.release()

@@ -915,13 +915,14 @@ def _bound_lock_wait(
     if _mariadb(context["connection"]):
         bounded = f"SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR {sql}"
         return execute(bounded, params, many, context)
-    raw = context["cursor"].cursor
-    raw.execute(_MYSQL_SET_WAIT % seconds)
-    try:
-        return execute(sql, params, many, context)
-    finally:
-        with contextlib.suppress(Exception):  # (a connection lost meanwhile has no session)
-            raw.execute(_MYSQL_RESET_WAIT)
+    # (a cursor of its own: the statement's rows stay on the caller's, fetched in full)
+    with context["connection"].connection.cursor() as setting:
+        setting.execute(_MYSQL_SET_WAIT % seconds)
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            with contextlib.suppress(Exception):  # (a connection lost meanwhile has no session)
+                setting.execute(_MYSQL_RESET_WAIT)
 
 
 def again_if_deadlocked(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:
