@@ -18,9 +18,12 @@ after the rows that were free at its start, instead of chasing new ones.
   above the sequence: when the mode is on, or a row's number is above the
   sequence (one query before the first batch), each batch also raises the
   sequence above the highest number it deletes.
-* SQLite, MySQL/MariaDB: each batch is one short transaction that first
+* SQLite, MySQL/MariaDB: each batch is one short transaction that also
   raises ``FenceFloor`` to the highest fencing number it deletes, so a key
-  acquired again later starts above every number issued before. On SQLite
+  acquired again later starts above every number issued before. On
+  MySQL/MariaDB a row that another session keeps locked (a stalled
+  transaction) is skipped and left for a later run, with a warning in the
+  log; the floor's row is locked last. On SQLite
   the transaction starts with ``BEGIN IMMEDIATE``, which waits (up to the
   database's ``timeout`` option) for the write lock; a batch that still
   finds the database locked is tried again until that timeout has passed.
@@ -28,6 +31,7 @@ after the rows that were free at its start, instead of chasing new ones.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -35,8 +39,10 @@ from typing import Any
 from django.db import OperationalError, connections, transaction
 
 from django_dlock import dbclock
-from django_dlock.strategies.connection import again_if_deadlocked
+from django_dlock.strategies.connection import again_if_deadlocked, lock_wait_ended
 from django_dlock.tables import FENCE_FLOOR_TABLE, FENCE_SEQUENCE, LOCK_TABLE, WAITER_TABLE
+
+logger = logging.getLogger("django_dlock")
 
 TABLE = LOCK_TABLE
 FLOOR = FENCE_FLOOR_TABLE
@@ -197,14 +203,15 @@ def _generic_batch(
 ) -> tuple[int, int | None]:
     """One SQLite or MySQL/MariaDB batch among the rows ``where`` picks, in
     ``id`` order; the number deleted, and the highest ``id`` looked at (None:
-    no row was left to delete)."""
-    # On MySQL the floor row lock orders us with acquirers that insert new
-    # rows (they read the floor with LOCK IN SHARE MODE). On SQLite the
-    # transaction holds the database's write lock from its start.
-    lock_floor = " FOR UPDATE" if vendor == "mysql" else ""
-    cur.execute(f"SELECT value FROM {FLOOR} WHERE id = 1{lock_floor}")
-    row = cur.fetchone()
-    floor = int(row[0]) if row else None
+    no row was left to delete).
+
+    On MySQL/MariaDB the batch locks the rows it chose that nobody else holds
+    (``SKIP LOCKED``: a row a stalled transaction keeps locked is left for a
+    later run, never waited for), deletes those still free, and only then
+    raises the fence floor, whose row every acquire of a new key reads: it
+    holds that row for the end of its transaction alone, never while it
+    waits for another. On SQLite the transaction holds the database's write
+    lock from its start."""
     cur.execute(
         f"SELECT id, fence FROM {TABLE} WHERE expire_at <= %s "
         f"AND {_NO_WAITERS.format(queue=f'{TABLE}.name', now=dbclock._NOW[vendor])}{where} "
@@ -214,15 +221,41 @@ def _generic_batch(
     rows = cur.fetchall()
     if not rows:
         return 0, None
+    chosen = [r[0] for r in rows]
+    marks = ", ".join(["%s"] * len(chosen))
+    if vendor == "mysql":
+        # the newest version of each row this batch could lock, and whether it is still free
+        cur.execute(
+            f"SELECT id, fence, expire_at <= %s FROM {TABLE} WHERE id IN ({marks}) "
+            "FOR UPDATE SKIP LOCKED",
+            [before, *chosen],
+        )
+        locked = cur.fetchall()
+        if len(locked) < len(chosen):
+            logger.warning(
+                "django-dlock: cleanup left %d free lease row(s) that another session "
+                "holds locked (a later run deletes them)",
+                len(chosen) - len(locked),
+            )
+        rows = [(r[0], r[1]) for r in locked if r[2]]
+        if not rows:
+            return 0, max(chosen)
     found = [r[0] for r in rows]
-    highest = max(int(r[1]) for r in rows)
-    if floor is None:
-        cur.execute(f"INSERT INTO {FLOOR} (id, value) VALUES (1, %s)", [highest])
-    elif highest > floor:
-        cur.execute(f"UPDATE {FLOOR} SET value = %s WHERE id = 1", [highest])
     marks = ", ".join(["%s"] * len(found))
     cur.execute(f"DELETE FROM {TABLE} WHERE id IN ({marks}) AND expire_at <= %s", [*found, before])
-    return int(cur.rowcount), max(found)
+    deleted = int(cur.rowcount)
+    # A key acquired again later starts above every number deleted here (the
+    # floor commits with the deletion; an acquire that creates a deleted
+    # key's row waits for that row, then reads the floor).
+    highest = max(int(r[1]) for r in rows)
+    lock_floor = " FOR UPDATE" if vendor == "mysql" else ""
+    cur.execute(f"SELECT value FROM {FLOOR} WHERE id = 1{lock_floor}")
+    row = cur.fetchone()
+    if row is None:
+        cur.execute(f"INSERT INTO {FLOOR} (id, value) VALUES (1, %s)", [highest])
+    elif highest > int(row[0]):
+        cur.execute(f"UPDATE {FLOOR} SET value = %s WHERE id = 1", [highest])
+    return deleted, max(chosen)
 
 
 def _sqlite_busy_timeout(using: str) -> float:
@@ -271,7 +304,14 @@ def _one_batch(
         with transaction.atomic(using=using), connection.cursor() as cur:
             return _generic_batch(cur, connection.vendor, batch_size, before, where, params)
 
-    return again_if_deadlocked(connection, run)
+    try:
+        return again_if_deadlocked(connection, run)
+    except OperationalError as exc:
+        if connection.in_atomic_block or not lock_wait_ended(exc):
+            raise
+        # (the fence floor's row, held by a stalled transaction: the next run goes on)
+        logger.warning("django-dlock: cleanup of %r stopped: %s", using, exc)
+        return 0, None
 
 
 def _id_walk(using: str, batch_size: int, before: Any) -> Iterator[int]:
@@ -375,5 +415,22 @@ def delete_dead_waiters(using: str) -> int:
             cur.execute(_PG_DEAD_WAITERS.format(wake=wake))
             row = cur.fetchone()
             return int(row[0]) if row else 0
+        if connection.vendor == "mysql":
+            return _mysql_dead_waiters(connection, cur)
         cur.execute(f"DELETE FROM {WAITERS} WHERE expire_at <= {dbclock.now_sql(connection)}", [])
+        return int(cur.rowcount)
+
+
+def _mysql_dead_waiters(connection: Any, cur: Any) -> int:
+    """MySQL/MariaDB: delete the tickets that ran out, but for those that
+    another session keeps locked (a stalled transaction): never waited for."""
+    with transaction.atomic(using=connection.alias):
+        cur.execute(
+            f"SELECT id FROM {WAITERS} WHERE expire_at <= UTC_TIMESTAMP(6) FOR UPDATE SKIP LOCKED"
+        )
+        found = [row[0] for row in cur.fetchall()]
+        if not found:
+            return 0
+        marks = ", ".join(["%s"] * len(found))
+        cur.execute(f"DELETE FROM {WAITERS} WHERE id IN ({marks})", found)
         return int(cur.rowcount)

@@ -68,6 +68,78 @@ def test_a_lock_left_inside_a_transaction_that_rolls_back_is_free(alias):
     assert in_thread(lambda: other.acquire(timeout=5) and (other.release() or True))
 
 
+@pytest.mark.django_db(transaction=True, databases=["sqlite"])
+@pytest.mark.parametrize("shared", [False, True], ids=["lock", "read-lock"])
+def test_a_lock_left_inside_a_sqlite_transaction_broken_by_an_integrity_error_is_free(shared):
+    """The holder takes the lock inside ``transaction.atomic`` and creates a
+    duplicate row: Django marks the transaction for rollback and lets no
+    statement run in it. The lock still goes to a waiter once the
+    transaction has rolled back, and the caller sees its own error."""
+    import time
+
+    from django.contrib.auth.models import User
+
+    users = User.objects.using("sqlite")
+    users.create(username="taken")
+    waiting = threading.Event()
+    got: dict[str, object] = {}
+
+    def waiter() -> None:
+        try:
+            lk = dlock.lock("tx-broken", using="sqlite")
+            waiting.set()
+            started = time.monotonic()
+            got["acquired"] = lk.acquire(timeout=10)
+            got["waited"] = time.monotonic() - started
+            if got["acquired"]:
+                lk.release()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=waiter)
+    try:
+        with (
+            pytest.raises(IntegrityError),
+            transaction.atomic(using="sqlite"),
+            dlock.lock("tx-broken", using="sqlite", ttl=30, shared=shared),
+        ):
+            thread.start()
+            assert waiting.wait(10)
+            time.sleep(0.3)  # the waiter waits
+            users.create(username="taken")
+    finally:
+        thread.join(30)
+    assert got["acquired"] is True
+    assert got["waited"] < 10
+
+
+@pytest.mark.django_db(transaction=True, databases=["sqlite"])
+@pytest.mark.parametrize("shared", [False, True], ids=["lock", "read-lock"])
+def test_a_sqlite_release_after_a_rollback_leaves_the_next_grant_alone(shared):
+    """The holder writes, then takes the lock inside the same transaction
+    (the grant is part of it), and the transaction fails and rolls back,
+    undoing the grant. The same thread takes the key again at once: that
+    new grant stays its own (the release after the transaction is of the
+    lease committed before it, and there was none)."""
+    with connections["sqlite"].cursor() as cur:
+        cur.execute("DELETE FROM django_dlock_fencefloor WHERE id = 2")
+    with (
+        pytest.raises(IntegrityError),
+        transaction.atomic(using="sqlite"),
+        connections["sqlite"].cursor() as cur,
+    ):
+        cur.execute("INSERT INTO django_dlock_fencefloor (id, value) VALUES (2, 0)")
+        with dlock.lock("tx-again", using="sqlite", ttl=30, shared=shared):
+            cur.execute("INSERT INTO django_dlock_fencefloor (id, value) VALUES (2, 0)")
+    again = dlock.lock("tx-again", using="sqlite", ttl=30, shared=shared)
+    assert again.acquire(timeout=0)
+    for thread in threading.enumerate():  # the releases after the transaction
+        if thread.name.startswith("django-dlock-release-after-transaction"):
+            thread.join(30)
+    assert again.owned()
+    again.release()
+
+
 def test_a_ticket_renewal_on_a_locked_sqlite_database_never_puts_the_ticket_back():
     """Another writer keeps the SQLite file locked past a waiter's deadline,
     then lets go just as the waiter renews its ticket. The renewal gives the

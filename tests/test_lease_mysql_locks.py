@@ -64,10 +64,17 @@ def a_transaction_waits() -> bool:
         return bool(cur.fetchone()[0])
 
 
-def in_a_deadlock(first: str, then: str, victim: Callable[[], Any]) -> list[Any]:
+#: how the heavier transaction of :func:`in_a_deadlock` locks a lease row
+LOCK_ROW = "SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE"
+
+
+def in_a_deadlock(
+    first: str, then: str, victim: Callable[[], Any], lock_first: str = LOCK_ROW
+) -> list[Any]:
     """What ``victim()`` returned (or raised), run in a thread against a heavier
-    transaction that locks the row ``first``, waits until ``victim`` waits for
-    it, then asks for the row ``then``: a deadlock if ``victim`` holds it.
+    transaction that locks the row ``first`` (with ``lock_first``), waits until
+    ``victim`` waits for it, then asks for the row ``then``: a deadlock if
+    ``victim`` holds it.
     The heavier transaction writes rows first, so that InnoDB never picks it
     as the deadlock's victim."""
     holds, asks = threading.Event(), threading.Event()
@@ -82,10 +89,10 @@ def in_a_deadlock(first: str, then: str, victim: Callable[[], Any]) -> list[Any]
                         "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6))",
                         [f"weight-{i}"],
                     )
-                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [first])
+                cur.execute(lock_first, [first])
                 holds.set()
                 asks.wait(30)
-                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE", [then])
+                cur.execute(LOCK_ROW, [then])
                 transaction.set_rollback(True, using=ALIAS)
         except BaseException as exc:
             errors.append(exc)
@@ -155,9 +162,9 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
     with dlock.semaphore("dl", permits=3, using=ALIAS):  # the permits' rows exist
         pass
 
-    def take() -> bool:  # locks permit 0, then waits for permit 1
+    def take() -> bool:  # locks permit 0, then waits for permit 1 (within its timeout)
         sem = dlock.semaphore("dl", permits=3, using=ALIAS, ttl=30)
-        taken = sem.acquire(timeout=0)
+        taken = sem.acquire(timeout=20)
         sem.release()
         return taken
 
@@ -167,18 +174,248 @@ def test_a_permit_take_chosen_as_a_deadlock_victim_runs_again():
 
 
 def test_a_cleanup_batch_chosen_as_a_deadlock_victim_runs_again():
-    """A cleanup batch deletes free rows in ``id`` order; a transaction locking
-    them in the other order makes a deadlock, InnoDB rolls the lighter one back
-    (the batch, which has written nothing), and the batch runs again."""
+    """A cleanup batch locks the free rows it deletes, then the fence floor's
+    row; a transaction holding the floor's row and asking for one of those
+    rows makes a deadlock, InnoDB rolls the lighter one back (the batch, which
+    has written nothing), and the batch runs again. It skips a row the other
+    transaction still holds then; the next run deletes it."""
     from django_dlock.cleanup import delete_free
 
     with connections[ALIAS].cursor() as cur:
-        for name in ("dl-free-1", "dl-free-2"):  # in id order
+        cur.execute("INSERT IGNORE INTO django_dlock_fencefloor (id, value) VALUES (1, 0)")
+        for name in ("dl-free-1", "dl-free-2"):
             cur.execute(
                 "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
                 "VALUES (%s, '', '', 0, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
                 [name],
             )
-    # the batch deletes row 1, then waits for row 2
-    got = in_a_deadlock("dl-free-2", "dl-free-1", lambda: delete_free(using=ALIAS))
-    assert got == [2], got
+    # the batch locks both rows, then waits for the floor's row
+    floor = "SELECT 1 FROM django_dlock_fencefloor WHERE id = %s FOR UPDATE"
+    got = in_a_deadlock("1", "dl-free-1", lambda: delete_free(using=ALIAS), floor)
+    assert got in ([1], [2]), got
+    assert got[0] + delete_free(using=ALIAS) == 2
+
+
+def a_lock(kind: str, timeout: float | None = None) -> Any:
+    """The lock of the key ``pinned``: a lock, a read lock, a semaphore's permit."""
+    if kind == "permit":
+        return dlock.semaphore("pinned", permits=1, using=ALIAS, timeout=timeout)
+    return dlock.lock("pinned", using=ALIAS, shared=kind == "shared", timeout=timeout)
+
+
+@contextmanager
+def row_held(kind: str) -> Iterator[None]:
+    """Another session holds the key's lease row (created first) ``FOR
+    UPDATE`` until the block ends: a stalled transaction."""
+    lk = a_lock(kind)
+    assert lk.acquire(timeout=0)
+    lk.release()
+    name = "semaphore:pinned#0" if kind == "permit" else "lock:pinned"
+    other = connections[ALIAS].copy()
+    try:
+        with other.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = %s FOR UPDATE", [name])
+            assert cur.fetchone() is not None
+            yield
+            cur.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("timeout", [0, 2])
+@pytest.mark.parametrize("kind", ["exclusive", "shared", "permit"])
+def test_an_acquire_behind_a_row_held_elsewhere_times_out_at_its_timeout(timeout, kind):
+    """A stalled transaction holds the lock's row: the acquire waits for it no
+    longer than its timeout (not innodb_lock_wait_timeout, 50 s by default),
+    and says so as a timeout, never the server's error 1205."""
+    with row_held(kind):
+        lk = a_lock(kind)
+        started = time.monotonic()
+        assert lk.acquire(timeout=timeout) is False
+        assert time.monotonic() - started < timeout + 5
+        started = time.monotonic()
+        with pytest.raises(dlock.LockTimeout), a_lock(kind, timeout):
+            pass
+        assert time.monotonic() - started < timeout + 5
+    # the row let go: the key is free again
+    assert lk.acquire(timeout=timeout)
+    lk.release()
+
+
+def test_a_cleanup_skips_a_row_held_elsewhere_and_keeps_no_acquire_waiting():
+    """A stalled transaction holds a free row and a dead waiter's ticket ``FOR
+    UPDATE``. A cleanup run meanwhile deletes the other free rows, skips
+    those (the next run deletes them) and finishes; an acquire of an
+    unrelated new key (which reads the fence floor) never waits for the
+    cleanup."""
+    import io
+
+    from django.core.management import call_command
+
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("INSERT IGNORE INTO django_dlock_fencefloor (id, value) VALUES (1, 0)")
+        for name in ("lock:free-1", "lock:stalled", "lock:free-2"):
+            cur.execute(
+                "INSERT INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                "VALUES (%s, '', '', 7, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)",
+                [name],
+            )
+        cur.execute(
+            "INSERT INTO django_dlock_waiter (name, token, owner, enqueued_at, expire_at) "
+            "VALUES ('lock:gone', '', '', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) - INTERVAL 1 HOUR)"
+        )
+    outcome: list[Any] = []
+
+    def clean() -> None:
+        try:
+            call_command("dlock_cleanup", using=ALIAS, stdout=io.StringIO())
+            outcome.append("done")
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    stalled = connections[ALIAS].copy()
+    cleaner = threading.Thread(target=clean)
+    try:
+        with stalled.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:stalled' FOR UPDATE")
+            cur.execute("SELECT id FROM django_dlock_waiter WHERE name = 'lock:gone' FOR UPDATE")
+            cleaner.start()
+            wait_until(lambda: bool(outcome) or a_transaction_waits())
+            lk = dlock.lock("unrelated-new-key", using=ALIAS)
+            assert lk.acquire(timeout=3)
+            lk.release()
+            wait_until(lambda: bool(outcome), timeout=10)  # not behind the stalled row
+            cur.execute("ROLLBACK")
+    finally:
+        cleaner.join(60)
+        stalled.close()
+    assert outcome == ["done"], outcome
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT name FROM django_dlock_lock WHERE name LIKE 'lock:%%' ORDER BY name")
+        assert [row[0] for row in cur.fetchall()] == ["lock:stalled", "lock:unrelated-new-key"]
+        cur.execute("SELECT value FROM django_dlock_fencefloor WHERE id = 1")
+        assert cur.fetchone()[0] == 7
+    call_command("dlock_cleanup", using=ALIAS, stdout=io.StringIO())  # the next run
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT count(*) FROM django_dlock_lock WHERE name = 'lock:stalled'")
+        assert cur.fetchone()[0] == 0
+        cur.execute("SELECT count(*) FROM django_dlock_waiter")
+        assert cur.fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
+def test_an_acquire_behind_the_tables_auto_increment_lock_times_out_at_its_timeout(shared):
+    """Another transaction inserts into the lock table with a bulk insert
+    (``INSERT … SELECT``), which holds the table's AUTO-INC lock until the
+    statement ends, and that insert waits for a row a stalled transaction
+    holds. An acquire that creates a new key's row waits for the AUTO-INC
+    lock; InnoDB ends that wait with error 1467 ("Failed to read
+    auto-increment value from storage engine"), which is the acquire's
+    timeout, never a driver error."""
+    with dlock.lock("held", using=ALIAS):  # the row exists
+        pass
+    stalled = connections[ALIAS].copy()
+    inserted: list[Any] = []
+
+    def bulk_insert() -> None:
+        bulk = connections[ALIAS].copy()
+        try:
+            with bulk.cursor() as cur:
+                cur.execute(
+                    "INSERT IGNORE INTO django_dlock_lock (name, token, owner, fence, expire_at) "
+                    "SELECT 'lock:held', '', '', 0, UTC_TIMESTAMP(6)"
+                )
+            inserted.append("done")
+        except BaseException as exc:
+            inserted.append(exc)
+        finally:
+            bulk.close()
+
+    inserting = threading.Thread(target=bulk_insert)
+    try:
+        with stalled.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:held' FOR UPDATE")
+            inserting.start()
+            wait_until(a_transaction_waits)
+            lk = dlock.lock("fresh", using=ALIAS, shared=shared)
+            started = time.monotonic()
+            assert lk.acquire(timeout=2) is False
+            assert time.monotonic() - started < 2 + 5
+            cur.execute("ROLLBACK")
+    finally:
+        stalled.close()
+        inserting.join(60)
+    assert inserted == ["done"], inserted
+    assert lk.acquire(timeout=2)
+    lk.release()
+
+
+def test_a_reader_that_creates_its_keys_row_keeps_no_other_insert_waiting():
+    """A reader creates its key's missing row while a stalled transaction
+    (at REPEATABLE READ, the server's default) holds the gap where it goes,
+    and waits. Meanwhile an acquire of an
+    unrelated new key inserts its row elsewhere in the table: it never
+    waits for the reader (a bulk insert would hold the table's AUTO-INC
+    lock while it waits, and the other insert would end with error 1467)."""
+    with dlock.lock("m", using=ALIAS):  # a row after the gap of lock:k, before lock:z
+        pass
+    stalled = connections[ALIAS].copy()
+    read: list[Any] = []
+
+    def reader() -> None:
+        try:
+            lk = dlock.lock("k", using=ALIAS, shared=True)
+            read.append(lk.acquire(timeout=30))
+            lk.release()
+        except BaseException as exc:
+            read.append(exc)
+        finally:
+            connections.close_all()
+
+    reading = threading.Thread(target=reader)
+    try:
+        with stalled.cursor() as cur:
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            cur.execute("START TRANSACTION")
+            cur.execute("SELECT id FROM django_dlock_lock WHERE name = 'lock:k' FOR UPDATE")
+            reading.start()
+            wait_until(lambda: bool(read) or a_transaction_waits())  # the reader's insert
+            assert not read, read
+            lk = dlock.lock("z", using=ALIAS)
+            assert lk.acquire(timeout=3)
+            lk.release()
+            cur.execute("ROLLBACK")
+    finally:
+        stalled.close()
+        reading.join(60)
+    assert read == [True], read
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "shared", "permit"])
+def test_the_session_bound_of_mysql_also_ends_the_wait_and_is_restored(monkeypatch, kind):
+    """MySQL has no ``SET STATEMENT``: the bound is the session's
+    ``innodb_lock_wait_timeout``, set around each statement and restored.
+    That variant, run here on MariaDB (which accepts it too), ends the wait
+    at the timeout, leaves the statements' rows alone and the session's
+    value as it was."""
+    from django_dlock.strategies import connection
+
+    monkeypatch.setattr(connection, "_mariadb", lambda _connection: False)
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+        before = cur.fetchone()[0]
+    with row_held(kind):
+        lk = a_lock(kind)
+        started = time.monotonic()
+        assert lk.acquire(timeout=2) is False
+        assert time.monotonic() - started < 2 + 5
+    with connections[ALIAS].cursor() as cur:
+        cur.execute("SELECT @@SESSION.innodb_lock_wait_timeout")
+        assert cur.fetchone()[0] == before
+    assert lk.acquire(timeout=2)
+    lk.release()

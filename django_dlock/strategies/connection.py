@@ -45,6 +45,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import math
 import os
 import re
 import select
@@ -73,9 +74,11 @@ __all__ = [
     "LONGEST_WAIT",
     "STATEMENT_FLOOR",
     "Abandoned",
+    "LockWaitEnded",
     "behind_pooler",
     "may_prepare",
     "close_private_connections",
+    "committed_view",
     "cursor",
     "deadline_end",
     "direct_alias",
@@ -83,6 +86,7 @@ __all__ = [
     "fetch_one",
     "guard_statements",
     "in_savepoint",
+    "lock_wait_ended",
     "lock_connection",
     "not_migrated",
     "psycopg3",
@@ -567,6 +571,12 @@ def _thread_private(alias: str) -> BaseDatabaseWrapper:
     return private
 
 
+def committed_view(alias: str) -> BaseDatabaseWrapper:
+    """This thread's private connection to ``alias``, in autocommit: it reads
+    what is committed, never the caller's open transaction."""
+    return _thread_private(alias)
+
+
 def uses_django_pool(connection: BaseDatabaseWrapper) -> bool:
     """Whether ``connection``'s alias uses Django's connection pool (Django 5.1+)."""
     return bool((connection.settings_dict.get("OPTIONS") or {}).get("pool"))
@@ -668,6 +678,11 @@ def _failed(connection: BaseDatabaseWrapper, exc: DatabaseError) -> NoReturn:
         ) from exc
     if tables_missing(exc):
         raise not_migrated(connection.alias) from exc
+    if lock_wait_ended(exc):
+        raise LockWaitEnded(
+            f"a lock statement on database {connection.alias!r} waited for a row "
+            "that another session holds until its bound (innodb_lock_wait_timeout)"
+        ) from exc
     raise exc
 
 
@@ -702,7 +717,16 @@ def not_migrated(alias: str) -> NotMigrated:
 def cursor(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
     """A cursor for lock statements: a database that cannot be reached raises
     :class:`DatabaseUnavailable`, and a broken connection is closed so the
-    next call reconnects."""
+    next call reconnects. On MySQL/MariaDB, while an acquire's deadline is
+    watched, a statement waits for another session's row lock no longer
+    than the deadline (:class:`LockWaitEnded` then)."""
+    if (
+        connection.vendor == "mysql"
+        and _deadline.get() is not None
+        and _bound_lock_wait not in connection.execute_wrappers
+    ):
+        _mariadb(connection)  # (asked first: Django asks the server, with a statement)
+        connection.execute_wrappers.insert(0, _bound_lock_wait)  # pop() of others keeps it
     try:
         with connection.cursor() as cur:
             yield cur
@@ -855,10 +879,72 @@ def deadlocked(exc: BaseException) -> bool:
     return state == _PG_DEADLOCK
 
 
+def lock_wait_ended(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a MySQL/MariaDB statement waited for another
+    session's lock and ended without it: a row lock until its bound (the
+    lock's deadline, see :func:`cursor`; error 1205, the statement rolled
+    back, its transaction still open), or a table's AUTO-INC lock, a wait
+    that InnoDB ends, at that bound or in a deadlock, with error 1467
+    ("Failed to read auto-increment value from storage engine"). Either way
+    the statement wrote nothing."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] in (_MYSQL_LOCK_WAIT, _MYSQL_AUTOINC_FAILED)
+
+
+class LockWaitEnded(Abandoned):
+    """MySQL/MariaDB: a lock statement waited for a lock that another session
+    holds and ended without it (see :func:`lock_wait_ended`). Lock
+    acquisitions turn it into their usual timeout; the connection stays open."""
+
+
 #: MySQL/MariaDB's ER_LOCK_DEADLOCK
 _MYSQL_DEADLOCK = 1213
 #: PostgreSQL's deadlock_detected
 _PG_DEADLOCK = "40P01"
+#: MySQL/MariaDB's ER_LOCK_WAIT_TIMEOUT
+_MYSQL_LOCK_WAIT = 1205
+#: MySQL/MariaDB's ER_AUTOINC_READ_FAILED
+_MYSQL_AUTOINC_FAILED = 1467
+
+#: the statements whose lock waits are bounded by the lock's deadline (not
+#: START TRANSACTION, COMMIT, ROLLBACK, SET)
+_WAITS_FOR_ROWS = re.compile(r"\s*(SELECT|INSERT|UPDATE|DELETE|REPLACE|WITH)\b", re.IGNORECASE)
+_MYSQL_SET_WAIT = (
+    "SET @django_dlock_lock_wait = @@SESSION.innodb_lock_wait_timeout, "
+    "SESSION innodb_lock_wait_timeout = %d"
+)
+_MYSQL_RESET_WAIT = "SET SESSION innodb_lock_wait_timeout = @django_dlock_lock_wait"
+
+
+def _mariadb(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a MySQL connection's server is MariaDB (Django asks it once)."""
+    return bool(connection.mysql_is_mariadb)  # type: ignore[attr-defined]
+
+
+def _bound_lock_wait(
+    execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    """MySQL/MariaDB, while an acquire's deadline is watched: a statement waits
+    for another session's row lock (``innodb_lock_wait_timeout``, whole
+    seconds) until the deadline, at least a second, instead of the server's
+    bound (50 s by default). MariaDB sets it for the statement alone
+    (``SET STATEMENT … FOR``); MySQL sets the session's value around it."""
+    end = _deadline.get()
+    if end is None or not _WAITS_FOR_ROWS.match(sql):
+        return execute(sql, params, many, context)
+    seconds = max(1, math.ceil(end - time.monotonic()))
+    if _mariadb(context["connection"]):
+        bounded = f"SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR {sql}"
+        return execute(bounded, params, many, context)
+    # (a cursor of its own: the statement's rows stay on the caller's, fetched in full)
+    with context["connection"].connection.cursor() as setting:
+        setting.execute(_MYSQL_SET_WAIT % seconds)
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            with contextlib.suppress(Exception):  # (a connection lost meanwhile has no session)
+                setting.execute(_MYSQL_RESET_WAIT)
 
 
 def again_if_deadlocked(connection: BaseDatabaseWrapper, run: Callable[[], T]) -> T:

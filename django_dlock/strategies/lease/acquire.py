@@ -26,6 +26,7 @@ from django_dlock.strategies.connection import (
     deadlocked,
     execute,
     fetch_one,
+    lock_wait_ended,
 )
 from django_dlock.strategies.lease.sql import (
     MYSQL_AHEAD,
@@ -68,7 +69,9 @@ def _mysql_acquire(connection: BaseDatabaseWrapper, req: Request, ticket: int | 
     # One short transaction: lock the row, decide, write. A missing row
     # is inserted above the fence floor; two racing inserters are told
     # apart by the unique index (the loser looks again), and a deadlock's
-    # victim (a cleanup locks rows in another order) runs again.
+    # victim (a cleanup locks rows in another order) runs again. A row
+    # that another session keeps locked until the acquire's deadline (a
+    # stalled transaction, a guard's) is not taken this round.
     for _attempt in range(DEADLOCK_RETRIES):
         with cursor(connection) as cur:
             cur.execute("START TRANSACTION")
@@ -79,6 +82,8 @@ def _mysql_acquire(connection: BaseDatabaseWrapper, req: Request, ticket: int | 
                 continue
             except OperationalError as exc:
                 cur.execute("ROLLBACK")
+                if lock_wait_ended(exc):  # a row held elsewhere until the deadline
+                    return None
                 if deadlocked(exc):  # rolled back whole: nothing was taken
                     continue
                 raise

@@ -56,8 +56,16 @@ from django_dlock.strategies.connection import (
     cursor,
     deadlocked,
     fetch_one,
+    lock_wait_ended,
 )
-from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
+from django_dlock.strategies.lease.sql import (
+    _FENCE,
+    FAST_COMMIT,
+    MYSQL_CREATE,
+    TABLE,
+    WAITERS,
+    read,
+)
 from django_dlock.strategies.lease.strategy import QUEUED_AHEAD, LeaseStrategy
 from django_dlock.strategies.lease.waiting import Look
 from django_dlock.tables import FENCE_FLOOR_TABLE
@@ -232,12 +240,6 @@ _MYSQL_AHEAD = (
     f"SELECT count(*) FROM {WAITERS} w WHERE w.name = %s "
     "AND w.expire_at > UTC_TIMESTAMP(6) AND w.id < %s"
 )
-# A missing slot is created free, above the fence floor (its first grant is above it).
-_MYSQL_CREATE = (
-    f"INSERT IGNORE INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
-    f"SELECT %s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0), "
-    "NULL, UTC_TIMESTAMP(6)"
-)
 _MYSQL_TAKE = (
     f"UPDATE {TABLE} SET acquired_at = UTC_TIMESTAMP(6), token = %s, owner = %s, fence = %s, "
     "expire_at = UTC_TIMESTAMP(6) + INTERVAL ROUND(%s * 1000000) MICROSECOND WHERE name = %s"
@@ -332,7 +334,7 @@ class PermitStrategy(LeaseStrategy):
                         present = {row[0] for row in rows}
                         for name in slots:
                             if name not in present:
-                                cur.execute(_MYSQL_CREATE, [name])
+                                cur.execute(MYSQL_CREATE, [name])  # free, above the fence floor
                         continue
                     taken = self._mysql_decide(cur, req, slots, rows, place)
                     if taken is not None and ticket is not None:
@@ -342,6 +344,8 @@ class PermitStrategy(LeaseStrategy):
                     continue
                 except OperationalError as exc:
                     cur.execute("ROLLBACK")
+                    if lock_wait_ended(exc):  # a slot held elsewhere until the deadline
+                        return None, None
                     if deadlocked(exc):  # rolled back whole: nothing was taken
                         continue
                     raise

@@ -56,14 +56,23 @@ from django_dlock.strategies import queue
 from django_dlock.strategies.base import Request, Upgrades
 from django_dlock.strategies.connection import (
     DEADLOCK_RETRIES,
+    LockWaitEnded,
     cursor,
     deadlocked,
     fetch_one,
     in_savepoint,
+    lock_connection,
     with_reconnect,
 )
-from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
-from django_dlock.strategies.lease.strategy import LeaseStrategy
+from django_dlock.strategies.lease.sql import (
+    _FENCE,
+    FAST_COMMIT,
+    MYSQL_CREATE,
+    TABLE,
+    WAITERS,
+    read,
+)
+from django_dlock.strategies.lease.strategy import LeaseStrategy, _release_after_transaction
 from django_dlock.strategies.lease.waiting import Look
 from django_dlock.tables import FENCE_FLOOR_TABLE
 
@@ -128,11 +137,7 @@ _CREATE_KEY_ROW = {
         f"SELECT %s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0), "
         f"NULL, {dbclock._NOW['sqlite']} ON CONFLICT (name) DO NOTHING"
     ),
-    "mysql": (
-        f"INSERT IGNORE INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
-        f"SELECT %s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1), 0), "
-        "NULL, UTC_TIMESTAMP(6)"
-    ),
+    "mysql": MYSQL_CREATE,
 }
 _GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX", "mysql": "GREATEST"}
 
@@ -372,7 +377,10 @@ class SharedLeaseStrategy(LeaseStrategy):
     def acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
     ) -> int | None:
-        return _again(lambda: self._acquire_on(connection, req, ticket))
+        try:
+            return _again(lambda: self._acquire_on(connection, req, ticket))
+        except LockWaitEnded:  # the key's row held elsewhere until the deadline
+            return None
 
     def _acquire_on(
         self, connection: BaseDatabaseWrapper, req: Request, ticket: int | None
@@ -528,8 +536,13 @@ class SharedLeaseStrategy(LeaseStrategy):
     # -- release, extend, inspect ----------------------------------------------
 
     def release(self, req: Request) -> bool:
+        connection = lock_connection(req.alias)
+        if connection.in_atomic_block:  # SQLite: the caller's transaction has written
+            return _release_after_transaction(
+                connection, req, self.release_on, self._release_fenced
+            )
         released, retried = with_reconnect(
-            req.alias, lambda connection: self.release_on(connection, req)
+            req.alias, lambda connection: self.release_on(connection, req), connection
         )
         if not released and retried:
             # The first try may have released before its connection dropped.
@@ -541,6 +554,11 @@ class SharedLeaseStrategy(LeaseStrategy):
         """Delete the reader's row, and shorten the key's lease to the latest
         remaining reader's (free when none is left, waking the queue's head)."""
         return _again(lambda: self._release_on(connection, req))
+
+    def _release_fenced(self, connection: BaseDatabaseWrapper, req: Request, fence: int) -> None:
+        """:meth:`release_on`, of the read lease with fencing number ``fence`` only
+        (once the caller's SQLite transaction has ended)."""
+        _again(lambda: self._release_on(connection, req, fence))
 
     def _pg_release(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
         fast = "" if conf.LEASE_SYNCHRONOUS_COMMIT else FAST_COMMIT
@@ -564,13 +582,15 @@ class SharedLeaseStrategy(LeaseStrategy):
                 fetch_one(connection, _PG_RELEASE_KEY, params)
         return released
 
-    def _release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
+    def _release_on(
+        self, connection: BaseDatabaseWrapper, req: Request, fence: int | None = None
+    ) -> bool:
         vendor = connection.vendor
         if vendor == "postgresql":
             return self._pg_release(connection, req)
         # SQLite and MySQL/MariaDB (waiters poll: nobody to wake)
         with self._locked(connection, req.key) as (cur, key_row):
-            if key_row[0] == req.token:  # upgraded: the write lease
+            if key_row[0] == req.token and fence is None:  # upgraded: the write lease
                 if not key_row[1]:
                     return False
                 cur.execute(
@@ -579,10 +599,11 @@ class SharedLeaseStrategy(LeaseStrategy):
                     [req.key.name],
                 )
                 return True
+            only = "" if fence is None else " AND fence = %s"
             cur.execute(
                 f"DELETE FROM {TABLE} WHERE name = %s AND token = %s "
-                f"AND {dbclock.live_row_sql(connection)}",
-                [req.row, req.token],
+                f"AND {dbclock.live_row_sql(connection)}{only}",
+                [req.row, req.token] + ([] if fence is None else [fence]),
             )
             # (a reader whose key was force-released deletes its row, and has lost)
             released = bool(cur.rowcount) and key_row[0] == READERS and bool(key_row[1])

@@ -116,6 +116,18 @@ MYSQL_AHEAD = (
     "AND w.expire_at > UTC_TIMESTAMP(6) AND w.id < %s)"
 )
 MYSQL_FLOOR = f"SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1 LOCK IN SHARE MODE"
+# A missing row created free (a reader's key row, a semaphore's permit
+# row), above the fence floor: its first grant is above it. The floor is
+# read with a share lock (a cleanup that raises it commits first). An
+# INSERT … VALUES: InnoDB takes a table's AUTO-INC lock for the whole of an
+# INSERT … SELECT (a bulk insert), also while it waits for a row, and every
+# other insert into the table then waits for it; a wait for that lock that
+# ends in a deadlock or at its bound is error 1467.
+MYSQL_CREATE = (
+    f"INSERT IGNORE INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
+    f"VALUES (%s, '', '', COALESCE((SELECT value FROM {FENCE_FLOOR_TABLE} WHERE id = 1 "
+    "LOCK IN SHARE MODE), 0), NULL, UTC_TIMESTAMP(6))"
+)
 MYSQL_INSERT = (
     f"INSERT INTO {TABLE} (name, token, owner, fence, acquired_at, expire_at) "
     "VALUES (%s, %s, %s, %s, UTC_TIMESTAMP(6), "

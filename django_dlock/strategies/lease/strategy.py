@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import OperationalError, connections
@@ -37,6 +38,7 @@ from django_dlock.strategies.base import (
     TakesTickets,
 )
 from django_dlock.strategies.connection import (
+    committed_view,
     execute,
     fetch_one,
     lock_connection,
@@ -60,6 +62,7 @@ def _release_after_transaction(
     caller: BaseDatabaseWrapper,
     req: Request,
     release_on: Callable[[BaseDatabaseWrapper, Request], bool],
+    release_fenced: Callable[[BaseDatabaseWrapper, Request, int], object] | None = None,
 ) -> bool:
     """SQLite: release ``req`` in the caller's writing transaction, and again
     once that transaction has ended.
@@ -68,21 +71,45 @@ def _release_after_transaction(
     connection can write until it ends, and the release runs on the
     caller's connection, as part of that transaction: free the moment it
     commits. A rollback would undo it and leave the lock held until its
-    lease runs out, so a thread of its own releases the lease again as soon
-    as the caller's transaction has ended (nobody else could take the key
-    before that); after a commit that finds nothing left to do. That
-    statement matches the fencing number read first: a new grant of the
-    same key in the meantime is left alone.
+    lease runs out, so a thread of its own releases the committed lease
+    again as soon as the caller's transaction has ended (nobody else could
+    take the key before that); after a commit that finds nothing left to
+    do. That statement matches the fencing number committed before the
+    release (read on the thread's private connection, which does not see
+    the caller's transaction): a grant made inside the caller's transaction
+    is undone by its rollback, and a new grant of the same key afterwards
+    (the same thread trying again) is left alone.
+
+    A transaction that failed (an error inside ``transaction.atomic``: Django
+    lets no statement run in it until it is rolled back) is only read, on
+    the driver's connection, to tell whether the lease was still the
+    caller's; its rollback and the thread do the rest.
+
+    ``release_fenced(connection, req, fence)``: the release after the
+    transaction, of the lease with that fencing number only (a reader's;
+    without it, the lease row's).
     """
-    now = dbclock.now_sql(caller)
-    found = fetch_one(
-        caller,
-        f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}",
-        [req.row, req.token],
-    )
-    if found is None:
-        return False
-    params = [req.row, req.token, int(found[0])]
+    live = f"expire_at > {dbclock.now_sql(caller)}"
+    mine = f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND {live}"
+    try:
+        committed = fetch_one(committed_view(req.alias), mine, [req.row, req.token])
+    except OperationalError as exc:  # the caller's transaction keeps even readers out
+        logger.warning(
+            "django-dlock: could not read the lease of %s outside its holder's "
+            "transaction: %s; if that transaction rolls back, the lease runs out on its own",
+            req.row,
+            exc,
+        )
+        committed = None
+    if caller.needs_rollback:
+        # (sqlite3's own placeholders: Django's cursor refuses to run here)
+        raw_sql = mine % ("?", "?")
+        released = caller.connection.execute(raw_sql, [req.row, req.token]).fetchone() is not None
+    else:
+        released = release_on(caller, req)
+    if committed is None:
+        return released
+    params: list[Any] = [req.row, req.token, int(committed[0])]
     until = time.monotonic() + req.ttl
 
     def release() -> None:
@@ -93,7 +120,10 @@ def _release_after_transaction(
         )
         while True:
             try:
-                execute(connection, sql, params)
+                if release_fenced is None:
+                    execute(connection, sql, params)
+                else:
+                    release_fenced(connection, req, params[2])
                 return
             except OperationalError as exc:  # still locked by the caller's transaction
                 if time.monotonic() > until:
@@ -106,7 +136,6 @@ def _release_after_transaction(
                     return
                 time.sleep(_AFTER_TRANSACTION_POLL)
 
-    released = release_on(caller, req)
     start_db_thread(release, "django-dlock-release-after-transaction", alias=req.alias)
     return released
 
