@@ -419,3 +419,52 @@ def test_the_session_bound_of_mysql_also_ends_the_wait_and_is_restored(monkeypat
         assert cur.fetchone()[0] == before
     assert lk.acquire(timeout=2)
     lk.release()
+
+
+def test_a_session_killed_while_its_acquire_waits_is_replaced():
+    """An administrator (or a proxy) kills the session of an acquire that
+    waits for a row. The driver's error for the dead socket (an
+    InterfaceError, raised by the ROLLBACK after the lost statement) means
+    the connection is gone: the acquire goes on on a new session (it had
+    taken nothing), and no raw driver error reaches the caller, then or at
+    the thread's later calls."""
+    errors: list[BaseException] = []
+    outcomes: list[bool] = []
+
+    def acquire() -> None:
+        try:
+            lk = a_lock("exclusive")
+            try:
+                outcomes.append(lk.acquire(timeout=30))
+                lk.release()
+                outcomes.append(lk.acquire(timeout=0))
+                lk.release()
+            except BaseException as exc:
+                errors.append(exc)
+        finally:
+            connections.close_all()
+
+    with row_held("exclusive"):
+        thread = threading.Thread(target=acquire)
+        thread.start()
+
+        def waiting_session() -> int | None:
+            with connections[ALIAS].cursor() as cur:
+                cur.execute(
+                    "SELECT id FROM information_schema.processlist WHERE info LIKE %s "
+                    "AND info NOT LIKE %s",
+                    ["%django_dlock_lock%FOR UPDATE%", "%processlist%"],
+                )
+                found = cur.fetchone()
+            return None if found is None else int(found[0])
+
+        wait_until(lambda: waiting_session() is not None and a_transaction_waits())
+        killed = waiting_session()
+        with connections[ALIAS].cursor() as cur:
+            cur.execute("KILL %s", [killed])
+        # the acquire waits again, on a new session
+        wait_until(lambda: waiting_session() not in (None, killed))
+    thread.join(60)
+    assert not thread.is_alive()
+    assert errors == []
+    assert outcomes == [True, True]

@@ -60,7 +60,14 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
+from django.db import (
+    DatabaseError,
+    Error,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.signals import connection_created
 from django.db.backends.utils import CursorWrapper
@@ -661,7 +668,7 @@ def _closed(raw: Any) -> bool:
     return isinstance(is_open, (bool, int)) and not is_open
 
 
-def _failed(connection: BaseDatabaseWrapper, exc: DatabaseError) -> NoReturn:
+def _failed(connection: BaseDatabaseWrapper, exc: Error) -> NoReturn:
     """Raise what a failed lock statement on ``connection`` means.
 
     A connection left broken outside the caller's transaction is closed, so
@@ -730,7 +737,7 @@ def cursor(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
     try:
         with connection.cursor() as cur:
             yield cur
-    except DatabaseError as exc:
+    except Error as exc:  # (an InterfaceError, a closed connection, is no DatabaseError)
         _failed(connection, exc)
 
 
@@ -744,7 +751,7 @@ def in_savepoint(connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
     try:
         with transaction.atomic(using=connection.alias), connection.cursor() as cur:
             yield cur
-    except DatabaseError as exc:
+    except Error as exc:  # (an InterfaceError, a closed connection, is no DatabaseError)
         _failed(connection, exc)
 
 
@@ -986,7 +993,7 @@ def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:
     """:func:`behind_pooler`, whose first question may be the first statement of all."""
     try:
         return behind_pooler(connection)
-    except DatabaseError as exc:
+    except Error as exc:  # (an InterfaceError, a closed connection, is no DatabaseError)
         _failed(connection, exc)
 
 
@@ -1226,7 +1233,7 @@ def _execute_prepared(
             if pgconn.transaction_status == _ACTIVE:
                 connection.close()
             raise
-    except DatabaseError as exc:
+    except Error as exc:  # (an InterfaceError, a closed connection, is no DatabaseError)
         _failed(connection, exc)
 
 
