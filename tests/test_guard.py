@@ -234,6 +234,54 @@ def test_aguard_runs_the_writes_in_a_guarded_transaction(alias):
     assert _read(alias) == "A"
 
 
+# -- a guard inside the caller's transaction (a view under ATOMIC_REQUESTS) -------------
+
+#: a lease long enough that a release waiting for its own pin shows (PostgreSQL
+#: ends the caller's session after it, MariaDB gives up after 50 s)
+VIEW_TTL = 10.0
+
+
+@pytest.mark.parametrize("then", ["release", "extend"])
+def test_a_release_or_extend_in_the_transaction_of_its_guard_does_not_wait_for_itself(alias, then):
+    # The natural shape of a view: the request's transaction, a guarded
+    # write, the lock given back (or extended) before the view returns.
+    lk = dlock.lock("guard:view", using=alias, ttl=VIEW_TTL)
+    started = time.monotonic()
+    with transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        if then == "extend":
+            lk.extend(VIEW_TTL)
+            with lk.guard():
+                _write(alias, "B")
+        lk.release()
+        _write(alias, "C")  # the rest of the view
+    assert time.monotonic() - started < VIEW_TTL / 2  # it never waited for its own pin
+    assert _read(alias) == "C"
+    assert not lk.locked()  # released when the transaction committed
+    assert not lk.lost
+    with dlock.lock("guard:view", using=alias, timeout=0):  # anyone can take it now
+        pass
+
+
+def test_a_release_in_a_transaction_that_rolls_back_still_frees_the_lock(alias):
+    # The release was part of the transaction that rolled back: it is made
+    # again once the transaction has ended, so the key is not kept until
+    # its lease runs out.
+    lk = dlock.lock("guard:view-rollback", using=alias, ttl=60)
+    with pytest.raises(RuntimeError), transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        lk.release()
+        raise RuntimeError("the view fails after the release")
+    assert _read(alias) == "-"  # nothing of the transaction was written
+    wait_until(lambda: not lk.locked())  # well before the lease's 60 s
+    with dlock.lock("guard:view-rollback", using=alias, timeout=0):
+        pass
+
+
 # -- transaction-scoped strategies: the lock lives in the caller's transaction ----------
 
 

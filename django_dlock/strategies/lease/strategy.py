@@ -12,11 +12,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import OperationalError, connections
+from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock, notify
@@ -40,6 +43,7 @@ from django_dlock.strategies.connection import (
     execute,
     fetch_one,
     lock_connection,
+    thread_connection,
     with_reconnect,
 )
 from django_dlock.strategies.lease.acquire import acquire_on
@@ -56,47 +60,120 @@ logger = logging.getLogger("django_dlock")
 _AFTER_TRANSACTION_POLL = 0.05
 
 
+@dataclass(eq=False)
+class _Pins:
+    """The lease rows a connection's open transaction pinned (see
+    :meth:`LeaseStrategy.pin`), and which transaction that is: the driver's
+    connection and the transaction's outermost ``atomic`` block."""
+
+    raw: Any
+    outermost: Any
+    rows: set[tuple[str, str]]
+
+
+def _outermost(connection: BaseDatabaseWrapper) -> Any:
+    blocks = connection.atomic_blocks
+    return blocks[0] if blocks else None
+
+
+def _remember_pin(connection: BaseDatabaseWrapper, req: Request) -> None:
+    """Note that ``connection``'s open transaction share-locks ``req``'s lease row."""
+    raw, outermost = connection.connection, _outermost(connection)
+    pins: _Pins | None = connection.__dict__.get("_dlock_pins")  # (kept on the wrapper)
+    if pins is None or pins.raw is not raw or pins.outermost is not outermost:
+        pins = connection.__dict__["_dlock_pins"] = _Pins(raw, outermost, set())
+    pins.rows.add((req.row, req.token))
+
+
+def _pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
+    """The calling thread's connection when its open transaction pinned
+    ``req``'s lease row (a guard inside the caller's ``atomic`` block).
+
+    A release or extend on any other connection would wait for that row
+    until the caller's transaction ends: for the caller itself. A
+    transaction is told apart by its driver connection and its outermost
+    ``atomic`` block; one that reuses both (a function decorated with
+    ``atomic``, called again) may count as the same, and then a release
+    waits for nothing but joins the caller's transaction all the same.
+    """
+    connection = thread_connection(req.alias)
+    if not connection.in_atomic_block:  # (asked at every release: the cheap question first)
+        return None
+    pins: _Pins | None = connection.__dict__.get("_dlock_pins")
+    if (
+        pins is None
+        or pins.raw is not connection.connection
+        or pins.outermost is not _outermost(connection)
+        or (req.row, req.token) not in pins.rows
+    ):
+        return None
+    return connection
+
+
 def _release_after_transaction(
     caller: BaseDatabaseWrapper,
     req: Request,
     release_on: Callable[[BaseDatabaseWrapper, Request], bool],
 ) -> bool:
-    """SQLite: release ``req`` in the caller's writing transaction, and again
-    once that transaction has ended.
+    """Release ``req`` in the caller's transaction, and again once that
+    transaction has ended.
 
-    The caller's transaction holds SQLite's one write lock, so no other
-    connection can write until it ends, and the release runs on the
-    caller's connection, as part of that transaction: free the moment it
-    commits. A rollback would undo it and leave the lock held until its
-    lease runs out, so a thread of its own releases the lease again as soon
-    as the caller's transaction has ended (nobody else could take the key
-    before that); after a commit that finds nothing left to do. That
-    statement matches the fencing number read first: a new grant of the
-    same key in the meantime is left alone.
+    For the caller's transaction whose guard pinned the lease row (on any
+    database), and SQLite's writing transaction: no other connection can
+    change the row until the caller's transaction ends (SQLite has one
+    writer at a time), so the release runs on the caller's connection, as
+    part of that transaction (in a savepoint: a failed release leaves the
+    transaction usable), and the lock is free the moment it commits, with
+    the transaction's writes. A rollback undoes the release with the rest:
+    so a thread of its own releases the lease again as soon as the caller's
+    transaction has ended (nobody else could take the key before that);
+    after a commit it finds nothing left to do. That statement matches the
+    fencing number read first: a new grant of the same key in the meantime
+    is left alone. On PostgreSQL and MySQL/MariaDB it waits for the row
+    that the caller's transaction holds, at most as long as the lease has
+    left; on SQLite it tries again every few milliseconds.
     """
-    now = dbclock.now_sql(caller)
-    found = fetch_one(
-        caller,
-        f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND expire_at > {now}",
-        [req.row, req.token],
-    )
-    if found is None:
-        return False
+    with transaction.atomic(using=caller.alias):
+        found = fetch_one(
+            caller,
+            f"SELECT fence, {dbclock.seconds_until_sql(caller, 'expire_at')} FROM {TABLE} "
+            f"WHERE name = %s AND token = %s AND expire_at > {dbclock.now_sql(caller)}",
+            [req.row, req.token],
+        )
+        if found is None:
+            return False
+        released = release_on(caller, req)
     params = [req.row, req.token, int(found[0])]
-    until = time.monotonic() + req.ttl
+    left = max(float(found[1]), 0.0) + 1.0
+    until = time.monotonic() + left
 
     def release() -> None:
-        connection = connections[req.alias]  # this thread's own, in autocommit
+        connection = connections[req.alias]  # this thread's own
+        vendor = connection.vendor
+        now = dbclock.now_sql(connection)
         sql = (
-            f"UPDATE {TABLE} SET token = '', expire_at = {dbclock.now_sql(connection)} "
-            "WHERE name = %s AND token = %s AND fence = %s"
+            f"UPDATE {TABLE} SET token = '', expire_at = {now} "
+            f"WHERE name = %s AND token = %s AND fence = %s AND {dbclock.live_row_sql(connection)}"
         )
+        args: list[Any] = list(params)
+        if vendor == "postgresql":  # wakes the key's queue, as a release does
+            sql += f" RETURNING CASE WHEN queued THEN {queue.PG_WAKE_HEAD.format(name='%s')} END"
+            args.append(req.key.name)
         while True:
             try:
-                execute(connection, sql, params)
+                with transaction.atomic(using=req.alias), connection.cursor() as cur:
+                    if vendor == "postgresql":
+                        cur.execute(f"SET LOCAL lock_timeout = {math.ceil(left * 1000)}")
+                    elif vendor == "mysql":  # (this thread's connection is closed after)
+                        cur.execute(f"SET SESSION innodb_lock_wait_timeout = {math.ceil(left)}")
+                    cur.execute(sql, args)
                 return
-            except OperationalError as exc:  # still locked by the caller's transaction
-                if time.monotonic() > until:
+            except DatabaseError as exc:  # still locked by the caller's transaction?
+                if (
+                    vendor != "sqlite"
+                    or not isinstance(exc, OperationalError)
+                    or time.monotonic() > until
+                ):
                     logger.warning(
                         "django-dlock: could not release %s after its transaction: %s; "
                         "the lease runs out on its own",
@@ -106,7 +183,6 @@ def _release_after_transaction(
                     return
                 time.sleep(_AFTER_TRANSACTION_POLL)
 
-    released = release_on(caller, req)
     start_db_thread(release, "django-dlock-release-after-transaction", alias=req.alias)
     return released
 
@@ -260,6 +336,9 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
+        caller = _pinned_by_caller(req)
+        if caller is not None:  # the caller's open transaction share-locks the row
+            return _release_after_transaction(caller, req, self._release_on_for(req))
         if req.hold_at_least:  # TaskLock's min_hold
             return self.release_after(req, req.hold_at_least)
         connection = lock_connection(req.alias)
@@ -275,10 +354,21 @@ class LeaseStrategy:
             return found is None or found[0] == ""
         return released
 
+    def _release_on_for(self, req: Request) -> Callable[[BaseDatabaseWrapper, Request], bool]:
+        """:meth:`release_on`, or :meth:`release_after_on` for ``req``'s minimum hold."""
+        if req.hold_at_least:
+            return lambda connection, req: self.release_after_on(connection, req, req.hold_at_least)
+        return self.release_on
+
     def release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
-        """Release on ``connection``; ``False`` if the lease there is no longer ours."""
+        """Release on ``connection``; ``False`` if the lease there is no longer ours.
+
+        Inside the caller's transaction the release is as durable as the
+        transaction's own commit (the fast durability is the lock
+        statement's own transaction's, never the caller's)."""
         if connection.vendor == "postgresql":
-            sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+            durable = conf.LEASE_SYNCHRONOUS_COMMIT or connection.in_atomic_block
+            sql = PG_RELEASE_SQL[durable]
             params = [req.row, req.token, req.key.name]  # wakes the key's queue
             return execute(connection, sql, params)[0] is not None
         sql = (
@@ -288,6 +378,12 @@ class LeaseStrategy:
         return bool(execute(connection, sql, [req.row, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
+        caller = _pinned_by_caller(req)
+        if caller is not None:
+            # The caller's open transaction share-locks the row: the new
+            # expiry is part of that transaction (a rollback undoes it).
+            with transaction.atomic(using=caller.alias):
+                return self.extend_on(caller, req, ttl)
         extended, _ = with_reconnect(
             req.alias, lambda connection: self.extend_on(connection, req, ttl)
         )
@@ -296,7 +392,11 @@ class LeaseStrategy:
     def extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
         """Renew on ``connection``; ``False`` if the lease there is no longer ours."""
         now_plus = dbclock.now_plus_sql(connection)
-        fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
+        fast = (
+            connection.vendor == "postgresql"
+            and not conf.LEASE_SYNCHRONOUS_COMMIT
+            and not connection.in_atomic_block  # (never the caller's transaction's durability)
+        )
         returning = f" RETURNING 1{FAST_COMMIT}" if fast else ""
         # A lease that has run out is not revived, even if nobody took it.
         sql = (
@@ -381,7 +481,11 @@ class LeaseStrategy:
         sql, params = self.pin_query(connection, req)
         with connection.cursor() as cur:
             cur.execute(sql, params)
-            return cur.fetchone() is not None
+            found = cur.fetchone() is not None
+        if connection.in_atomic_block:
+            # (MySQL/MariaDB keep the row's lock even when nothing was found)
+            _remember_pin(connection, req)
+        return found
 
     def pin_query(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[str, list[str]]:
         """The ``SELECT`` of :meth:`pin` on PostgreSQL and MySQL/MariaDB: one
