@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from celery import Celery
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 
 import django_dlock as dlock
 from django_dlock import dbclock
@@ -280,6 +280,127 @@ def test_a_release_in_a_transaction_that_rolls_back_still_frees_the_lock(alias):
     wait_until(lambda: not lk.locked())  # well before the lease's 60 s
     with dlock.lock("guard:view-rollback", using=alias, timeout=0):
         pass
+
+
+# -- the guard's session ends (PostgreSQL: pg_terminate_backend) ----------------------
+
+
+def _end_session(connection: Any) -> None:
+    """End ``connection``'s server session from another one, and wait until it is gone."""
+    pid = connection.connection.info.backend_pid
+    other = connections["default"].copy("default")
+    try:
+        with other.cursor() as cur:
+            cur.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+            def gone() -> bool:
+                cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+                return cur.fetchone()[0] == 0
+
+            wait_until(gone)
+    finally:
+        other.close()
+
+
+@pytest.fixture
+def fresh_pg(pg: str) -> Iterator[str]:
+    """PostgreSQL, on a new session of the test's thread (closed after: it may be broken)."""
+    _probe(pg)
+    connections[pg].close()
+    yield pg
+    connections[pg].close()
+    dlock.close_connections()
+
+
+def test_a_guard_whose_session_ended_while_idle_begins_on_a_new_one(fresh_pg):
+    # The session ended before the guard began (nothing of it was sent):
+    # the guarded transaction begins on a new connection.
+    lk = dlock.lock("guard:ended-idle", using=fresh_pg, ttl=30)
+    assert lk.acquire(timeout=0)
+    _end_session(connections[fresh_pg])
+    with lk.guard():
+        _write(fresh_pg, "A")
+    assert _read(fresh_pg) == "A"
+    assert lk.owned()
+    lk.release()
+
+
+@pytest.mark.parametrize("then", ["write", "exit"])
+def test_a_guard_whose_session_ends_inside_its_block_raises_lock_lost(fresh_pg, then):
+    # Ended inside the block: the block's next statement, or the check at its
+    # end, finds the session gone; the writes were rolled back.
+    lk = dlock.lock("guard:ended-inside", using=fresh_pg, ttl=30)
+    assert lk.acquire(timeout=0)
+    with pytest.raises(dlock.LockLost, match="rolled back: the session") as caught, lk.guard():
+        _write(fresh_pg, "A")
+        _end_session(connections[fresh_pg])
+        if then == "write":
+            _write(fresh_pg, "B")
+    assert isinstance(caught.value.__cause__, DatabaseError)  # the driver's error, chained
+    assert _read(fresh_pg) == "-"
+    assert lk.owned()  # the lease itself is still the holder's
+    lk.release()
+
+
+@pytest.mark.parametrize("strategy", ["row", "advisory_xact"])
+def test_a_guard_of_a_transaction_lock_whose_session_ended_raises_lock_lost(fresh_pg, strategy):
+    # The lock lived in the transaction the server ended: the guard's
+    # SAVEPOINT finds it gone.
+    with pytest.raises(dlock.LockLost) as caught, transaction.atomic(using=fresh_pg):
+        lk = dlock.lock("guard:ended-xact", using=fresh_pg, strategy=strategy)
+        assert lk.acquire(timeout=0)
+        _end_session(connections[fresh_pg])
+        with lk.guard():
+            _write(fresh_pg, "A")
+    assert isinstance(caught.value.__cause__, DatabaseError)
+    assert _read(fresh_pg) == "-"
+
+
+def test_a_release_after_the_session_of_its_guards_transaction_ended(fresh_pg):
+    # The guard pinned the lease row in the caller's transaction, whose
+    # session then ended (a holder frozen past its idle bound): the release
+    # no longer has a transaction to join, and releases the usual way.
+    lk = dlock.lock("guard:ended-outer", using=fresh_pg, ttl=30)
+    with pytest.raises(DatabaseError), transaction.atomic(using=fresh_pg):  # (Django's commit)
+        assert lk.acquire(timeout=0)
+        with lk.guard():
+            _write(fresh_pg, "A")
+        _end_session(connections[fresh_pg])
+        lk.release()
+    assert _read(fresh_pg) == "-"
+    assert not lk.locked()
+
+
+def test_a_guard_whose_session_ends_after_its_commit_ran_returns(fresh_pg, monkeypatch):
+    # The check and COMMIT go out in a pipeline; the server runs them and
+    # ends the session before it reaches the pipeline's sync point. The
+    # writes committed: the guard returns normally, and the connection's
+    # next use opens a new one.
+    from django_dlock import guard
+
+    lk = dlock.lock("guard:ended-commit", using=fresh_pg, ttl=30)
+    assert lk.acquire(timeout=0)
+    connection = connections[fresh_pg]
+    committed: list[str] = []
+
+    def end_after_commit(pgconn: Any) -> None:
+        while pgconn.flush():  # the steps go out (the sync point is not sent yet)
+            time.sleep(0.01)
+        wait_until(lambda: _read(fresh_pg) == "A")  # the server ran the COMMIT
+        _end_session(connection)
+
+    monkeypatch.setattr(guard, "_sending", end_after_commit)
+    with lk.guard():
+        _write(fresh_pg, "A")
+        transaction.on_commit(lambda: committed.append("A"), using=fresh_pg)
+    monkeypatch.undo()
+    assert _read(fresh_pg) == "A"
+    assert committed == ["A"]  # its on_commit callbacks ran
+    assert lk.owned()
+    with lk.guard():  # and the connection works again
+        _write(fresh_pg, "B")
+    assert _read(fresh_pg) == "B"
+    lk.release()
 
 
 # -- transaction-scoped strategies: the lock lives in the caller's transaction ----------

@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_dlock import dbclock, notify
 from django_dlock._threads import start_db_thread
 from django_dlock.conf import RetryInterval, conf
-from django_dlock.exceptions import StrategyNotSupported
+from django_dlock.exceptions import DatabaseUnavailable, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
@@ -110,6 +110,38 @@ def _pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
     return connection
 
 
+class _CallerGone(Exception):
+    """The caller's transaction ended with its session (and its pins with it)."""
+
+
+def _session_gone(connection: BaseDatabaseWrapper) -> bool:
+    raw = connection.connection
+    if raw is None:
+        return True
+    if connection.vendor == "mysql":  # (the driver may not have noticed yet: a ping)
+        try:
+            return not connection.is_usable()
+        except Exception:
+            return True
+    return bool(getattr(raw, "closed", False))
+
+
+@contextlib.contextmanager
+def _in_caller_transaction(caller: BaseDatabaseWrapper) -> Iterator[None]:
+    """A savepoint of the caller's transaction that pinned a lease row;
+    :class:`_CallerGone` if that transaction ended with its session (a
+    holder frozen past its idle bound, a server that ended it): the pin went
+    with it, and the statement can run the usual way."""
+    try:
+        with transaction.atomic(using=caller.alias):
+            yield
+    except (DatabaseError, DatabaseUnavailable) as exc:
+        if not _session_gone(caller):
+            raise
+        caller.__dict__.pop("_dlock_pins", None)
+        raise _CallerGone from exc
+
+
 def _release_after_transaction(
     caller: BaseDatabaseWrapper,
     req: Request,
@@ -133,7 +165,7 @@ def _release_after_transaction(
     that the caller's transaction holds, at most as long as the lease has
     left; on SQLite it tries again every few milliseconds.
     """
-    with transaction.atomic(using=caller.alias):
+    with _in_caller_transaction(caller):
         found = fetch_one(
             caller,
             f"SELECT fence, {dbclock.seconds_until_sql(caller, 'expire_at')} FROM {TABLE} "
@@ -338,7 +370,8 @@ class LeaseStrategy:
     def release(self, req: Request) -> bool:
         caller = _pinned_by_caller(req)
         if caller is not None:  # the caller's open transaction share-locks the row
-            return _release_after_transaction(caller, req, self._release_on_for(req))
+            with contextlib.suppress(_CallerGone):  # (gone: the usual way below)
+                return _release_after_transaction(caller, req, self._release_on_for(req))
         if req.hold_at_least:  # TaskLock's min_hold
             return self.release_after(req, req.hold_at_least)
         connection = lock_connection(req.alias)
@@ -382,7 +415,7 @@ class LeaseStrategy:
         if caller is not None:
             # The caller's open transaction share-locks the row: the new
             # expiry is part of that transaction (a rollback undoes it).
-            with transaction.atomic(using=caller.alias):
+            with contextlib.suppress(_CallerGone), _in_caller_transaction(caller):
                 return self.extend_on(caller, req, ttl)
         extended, _ = with_reconnect(
             req.alias, lambda connection: self.extend_on(connection, req, ttl)
