@@ -30,6 +30,16 @@ second), so the server ends a session that stays silent that long inside
 the block, and its transaction rolls back. SQLite has no server to do it:
 a process frozen inside a guarded transaction keeps every writer of that
 database file waiting until it resumes or dies.
+
+When the session of the guarded transaction ends, the guard says what
+became of the writes, never with a bare driver error (chained as the
+cause): :class:`~django_dlock.LockLost` when they were rolled back
+(:class:`~django_dlock.DatabaseUnavailable` when the database could not be
+asked afterwards whether the lock is still held), nothing when their COMMIT
+was answered (the session ended after it), and
+:class:`~django_dlock.CommitOutcomeUnknown` when the connection broke with
+the COMMIT in flight. A session found gone when the guard's own transaction
+begins is replaced, once.
 """
 
 from __future__ import annotations

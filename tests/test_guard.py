@@ -265,6 +265,23 @@ def test_a_release_or_extend_in_the_transaction_of_its_guard_does_not_wait_for_i
         pass
 
 
+def test_a_renewed_lock_released_in_the_transaction_of_its_guard_is_not_lost(alias):
+    # renew=True: the renewer, on a thread of its own, must not wait for the
+    # row the holder's transaction pinned (and the release, which stops the
+    # renewer first, for the renewer).
+    ttl = 3.0
+    lk = dlock.lock("guard:view-renewed", using=alias, ttl=ttl, renew=True)
+    with transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        time.sleep(ttl / 3 + 0.5)  # the renewer's first renewal falls in the transaction
+        lk.release()
+    assert not lk.lost
+    assert _read(alias) == "A"
+    assert not lk.locked()
+
+
 def test_a_release_in_a_transaction_that_rolls_back_still_frees_the_lock(alias):
     # The release was part of the transaction that rolled back: it is made
     # again once the transaction has ended, so the key is not kept until

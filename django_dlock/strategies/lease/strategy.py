@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,29 @@ class _Pins:
     raw: Any
     outermost: Any
     rows: set[tuple[str, str]]
+    connection: weakref.ref[BaseDatabaseWrapper]
+
+    def current(self) -> bool:
+        """Whether the transaction that pinned the rows is still open (read
+        from any thread: a guess that can only be late)."""
+        connection = self.connection()
+        return (
+            connection is not None
+            and connection.in_atomic_block
+            and self.raw is connection.connection
+            and self.outermost is _outermost(connection)
+        )
+
+
+#: (alias, row, token) -> the pins of the open transaction that pinned that
+#: lease row; an entry goes with its transaction's pins (replaced by the
+#: next transaction's on the same connection)
+_PINNED: weakref.WeakValueDictionary[tuple[str, str, str], _Pins] = weakref.WeakValueDictionary()
+
+
+class _RowPinned(Exception):
+    """The lease row is locked by its holder's own open transaction, on
+    another thread's connection: a statement from here would wait for it."""
 
 
 def _outermost(connection: BaseDatabaseWrapper) -> Any:
@@ -81,8 +105,10 @@ def _remember_pin(connection: BaseDatabaseWrapper, req: Request) -> None:
     raw, outermost = connection.connection, _outermost(connection)
     pins: _Pins | None = connection.__dict__.get("_dlock_pins")  # (kept on the wrapper)
     if pins is None or pins.raw is not raw or pins.outermost is not outermost:
-        pins = connection.__dict__["_dlock_pins"] = _Pins(raw, outermost, set())
+        pins = _Pins(raw, outermost, set(), weakref.ref(connection))
+        connection.__dict__["_dlock_pins"] = pins
     pins.rows.add((req.row, req.token))
+    _PINNED[(req.alias, req.row, req.token)] = pins
 
 
 def _pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
@@ -417,6 +443,18 @@ class LeaseStrategy:
             # expiry is part of that transaction (a rollback undoes it).
             with contextlib.suppress(_CallerGone), _in_caller_transaction(caller):
                 return self.extend_on(caller, req, ttl)
+        pins = _PINNED.get((req.alias, req.row, req.token)) if _PINNED else None
+        if pins is not None and pins.current():
+            # The holder's renewer: its holder's transaction (a guard inside
+            # an outer one) keeps the row locked, and would keep this
+            # statement waiting until it ends, its holder with it if that
+            # holder releases meanwhile (the release stops the renewer).
+            # The renewer tries again soon; nobody can take the lease over
+            # while the row is locked.
+            raise _RowPinned(
+                "its holder's open transaction keeps the lease row locked (a guard "
+                "inside an outer transaction): renewed once that transaction has ended"
+            )
         extended, _ = with_reconnect(
             req.alias, lambda connection: self.extend_on(connection, req, ttl)
         )
@@ -510,13 +548,15 @@ class LeaseStrategy:
                     f"WHERE name = %s AND token = %s AND expire_at > {now}",
                     [req.row, req.token],
                 )
-                return bool(cur.rowcount)
-        sql, params = self.pin_query(connection, req)
-        with connection.cursor() as cur:
-            cur.execute(sql, params)
-            found = cur.fetchone() is not None
+                found = bool(cur.rowcount)
+        else:
+            sql, params = self.pin_query(connection, req)
+            with connection.cursor() as cur:
+                cur.execute(sql, params)
+                found = cur.fetchone() is not None
         if connection.in_atomic_block:
-            # (MySQL/MariaDB keep the row's lock even when nothing was found)
+            # (also when nothing was found: MySQL/MariaDB keep the row's lock
+            # all the same, SQLite the database's write lock)
             _remember_pin(connection, req)
         return found
 
