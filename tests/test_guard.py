@@ -265,6 +265,23 @@ def test_a_release_or_extend_in_the_transaction_of_its_guard_does_not_wait_for_i
         pass
 
 
+def test_a_read_lock_released_in_the_transaction_of_its_guard_does_not_wait_for_itself(alias):
+    # A reader's guard share-locks the key's row: its release in the same
+    # transaction must not wait for it either.
+    lk = dlock.lock("guard:view-reader", using=alias, ttl=VIEW_TTL, shared=True)
+    started = time.monotonic()
+    with transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        lk.release()
+    assert time.monotonic() - started < VIEW_TTL / 2  # it never waited for its own pin
+    assert _read(alias) == "A"
+    assert not lk.locked()
+    with dlock.lock("guard:view-reader", using=alias, timeout=0):  # a writer gets in now
+        pass
+
+
 def test_a_renewed_lock_released_in_the_transaction_of_its_guard_is_not_lost(alias):
     # renew=True: the renewer, on a thread of its own, must not wait for the
     # row the holder's transaction pinned (and the release, which stops the
@@ -303,15 +320,24 @@ def test_a_release_in_a_transaction_that_rolls_back_still_frees_the_lock(alias):
 
 
 def _end_session(connection: Any) -> None:
-    """End ``connection``'s server session from another one, and wait until it is gone."""
-    pid = connection.connection.info.backend_pid
-    other = connections["default"].copy("default")
+    """End ``connection``'s server session from another one (PostgreSQL
+    ``pg_terminate_backend``, MariaDB ``KILL``), and wait until it is gone."""
+    alias = connection.alias
+    other = connections[alias].copy(alias)
+    if connection.vendor == "postgresql":
+        pid = connection.connection.info.backend_pid
+        end = "SELECT pg_terminate_backend(%s)"
+        listed = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    else:
+        pid = connection.connection.thread_id()
+        end = "KILL %s"
+        listed = "SELECT count(*) FROM information_schema.processlist WHERE id = %s"
     try:
         with other.cursor() as cur:
-            cur.execute("SELECT pg_terminate_backend(%s)", [pid])
+            cur.execute(end, [pid])
 
             def gone() -> bool:
-                cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+                cur.execute(listed, [pid])
                 return cur.fetchone()[0] == 0
 
             wait_until(gone)
@@ -329,15 +355,26 @@ def fresh_pg(pg: str) -> Iterator[str]:
     dlock.close_connections()
 
 
-def test_a_guard_whose_session_ended_while_idle_begins_on_a_new_one(fresh_pg):
+@pytest.fixture(params=["default", "mysql"], ids=["postgresql", "mariadb"])
+def fresh(request: pytest.FixtureRequest) -> Iterator[str]:
+    """:func:`fresh_pg` on PostgreSQL and MariaDB."""
+    _probe(request.param)
+    connections[request.param].close()
+    yield request.param
+    connections[request.param].close()
+    dlock.close_connections()
+
+
+def test_a_guard_whose_session_ended_while_idle_begins_on_a_new_one(fresh):
     # The session ended before the guard began (nothing of it was sent):
     # the guarded transaction begins on a new connection.
-    lk = dlock.lock("guard:ended-idle", using=fresh_pg, ttl=30)
+    lk = dlock.lock("guard:ended-idle", using=fresh, ttl=30)
     assert lk.acquire(timeout=0)
-    _end_session(connections[fresh_pg])
+    connections[fresh].ensure_connection()  # (the lock's statements may use another)
+    _end_session(connections[fresh])
     with lk.guard():
-        _write(fresh_pg, "A")
-    assert _read(fresh_pg) == "A"
+        _write(fresh, "A")
+    assert _read(fresh) == "A"
     assert lk.owned()
     lk.release()
 

@@ -63,7 +63,12 @@ from django_dlock.strategies.connection import (
     with_reconnect,
 )
 from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
-from django_dlock.strategies.lease.strategy import LeaseStrategy
+from django_dlock.strategies.lease.strategy import (
+    CallerGone,
+    LeaseStrategy,
+    in_caller_transaction,
+    pinned_by_caller,
+)
 from django_dlock.strategies.lease.waiting import Look
 from django_dlock.tables import FENCE_FLOOR_TABLE
 
@@ -325,7 +330,13 @@ class SharedLeaseStrategy(LeaseStrategy):
     @contextlib.contextmanager
     def _transaction(self, connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
         """A transaction of its own on ``connection`` (see :data:`_BEGIN`),
-        committed when the block ends, rolled back if it raises."""
+        committed when the block ends, rolled back if it raises; inside the
+        caller's transaction (whose guard pinned the key's row), a savepoint
+        of it."""
+        if connection.in_atomic_block:
+            with in_savepoint(connection) as cur:
+                yield cur
+            return
         with cursor(connection) as cur:
             cur.execute(_BEGIN[connection.vendor])
             try:
@@ -528,6 +539,13 @@ class SharedLeaseStrategy(LeaseStrategy):
     # -- release, extend, inspect ----------------------------------------------
 
     def release(self, req: Request) -> bool:
+        caller = pinned_by_caller(req)
+        if caller is not None:
+            # The caller's open transaction share-locks the key's row (a guard
+            # inside it): the release is part of that transaction, and a
+            # rollback undoes it (the read lease then runs out on its own).
+            with contextlib.suppress(CallerGone), in_caller_transaction(caller):
+                return self.release_on(caller, req)
         released, retried = with_reconnect(
             req.alias, lambda connection: self.release_on(connection, req)
         )
@@ -543,7 +561,9 @@ class SharedLeaseStrategy(LeaseStrategy):
         return _again(lambda: self._release_on(connection, req))
 
     def _pg_release(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
-        fast = "" if conf.LEASE_SYNCHRONOUS_COMMIT else FAST_COMMIT
+        # (inside the caller's transaction: as durable as its commit)
+        durable = conf.LEASE_SYNCHRONOUS_COMMIT or connection.in_atomic_block
+        fast = "" if durable else FAST_COMMIT
         params = {
             "row": req.row,
             "token": req.token,

@@ -111,7 +111,7 @@ def _remember_pin(connection: BaseDatabaseWrapper, req: Request) -> None:
     _PINNED[(req.alias, req.row, req.token)] = pins
 
 
-def _pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
+def pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
     """The calling thread's connection when its open transaction pinned
     ``req``'s lease row (a guard inside the caller's ``atomic`` block).
 
@@ -136,7 +136,7 @@ def _pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
     return connection
 
 
-class _CallerGone(Exception):
+class CallerGone(Exception):
     """The caller's transaction ended with its session (and its pins with it)."""
 
 
@@ -153,9 +153,9 @@ def _session_gone(connection: BaseDatabaseWrapper) -> bool:
 
 
 @contextlib.contextmanager
-def _in_caller_transaction(caller: BaseDatabaseWrapper) -> Iterator[None]:
+def in_caller_transaction(caller: BaseDatabaseWrapper) -> Iterator[None]:
     """A savepoint of the caller's transaction that pinned a lease row;
-    :class:`_CallerGone` if that transaction ended with its session (a
+    :class:`CallerGone` if that transaction ended with its session (a
     holder frozen past its idle bound, a server that ended it): the pin went
     with it, and the statement can run the usual way."""
     try:
@@ -165,7 +165,7 @@ def _in_caller_transaction(caller: BaseDatabaseWrapper) -> Iterator[None]:
         if not _session_gone(caller):
             raise
         caller.__dict__.pop("_dlock_pins", None)
-        raise _CallerGone from exc
+        raise CallerGone from exc
 
 
 def _release_after_transaction(
@@ -191,7 +191,7 @@ def _release_after_transaction(
     that the caller's transaction holds, at most as long as the lease has
     left; on SQLite it tries again every few milliseconds.
     """
-    with _in_caller_transaction(caller):
+    with in_caller_transaction(caller):
         found = fetch_one(
             caller,
             f"SELECT fence, {dbclock.seconds_until_sql(caller, 'expire_at')} FROM {TABLE} "
@@ -394,9 +394,9 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
-        caller = _pinned_by_caller(req)
+        caller = pinned_by_caller(req)
         if caller is not None:  # the caller's open transaction share-locks the row
-            with contextlib.suppress(_CallerGone):  # (gone: the usual way below)
+            with contextlib.suppress(CallerGone):  # (gone: the usual way below)
                 return _release_after_transaction(caller, req, self._release_on_for(req))
         if req.hold_at_least:  # TaskLock's min_hold
             return self.release_after(req, req.hold_at_least)
@@ -437,11 +437,11 @@ class LeaseStrategy:
         return bool(execute(connection, sql, [req.row, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
-        caller = _pinned_by_caller(req)
+        caller = pinned_by_caller(req)
         if caller is not None:
             # The caller's open transaction share-locks the row: the new
             # expiry is part of that transaction (a rollback undoes it).
-            with contextlib.suppress(_CallerGone), _in_caller_transaction(caller):
+            with contextlib.suppress(CallerGone), in_caller_transaction(caller):
                 return self.extend_on(caller, req, ttl)
         pins = _PINNED.get((req.alias, req.row, req.token)) if _PINNED else None
         if pins is not None and pins.current():
