@@ -62,13 +62,13 @@ from django_dlock.strategies.connection import (
     in_savepoint,
     with_reconnect,
 )
-from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
-from django_dlock.strategies.lease.strategy import (
+from django_dlock.strategies.lease.pins import (
     CallerGone,
-    LeaseStrategy,
     in_caller_transaction,
     pinned_by_caller,
 )
+from django_dlock.strategies.lease.sql import _FENCE, FAST_COMMIT, TABLE, WAITERS, read
+from django_dlock.strategies.lease.strategy import LeaseStrategy
 from django_dlock.strategies.lease.waiting import Look
 from django_dlock.tables import FENCE_FLOOR_TABLE
 

@@ -14,9 +14,7 @@ import functools
 import logging
 import math
 import time
-import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -26,7 +24,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django_dlock import dbclock, notify
 from django_dlock._threads import start_db_thread
 from django_dlock.conf import RetryInterval, conf
-from django_dlock.exceptions import DatabaseUnavailable, StrategyNotSupported
+from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline
 from django_dlock.strategies import queue
@@ -44,10 +42,17 @@ from django_dlock.strategies.connection import (
     execute,
     fetch_one,
     lock_connection,
-    thread_connection,
     with_reconnect,
 )
 from django_dlock.strategies.lease.acquire import acquire_on
+from django_dlock.strategies.lease.pins import (
+    PINNED,
+    CallerGone,
+    RowPinned,
+    in_caller_transaction,
+    pinned_by_caller,
+    remember_pin,
+)
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
 from django_dlock.strategies.lease.waiting import Look, TicketWait, attempt, look
 
@@ -59,113 +64,6 @@ logger = logging.getLogger("django_dlock")
 
 #: seconds between two tries of a release deferred past the caller's SQLite transaction
 _AFTER_TRANSACTION_POLL = 0.05
-
-
-@dataclass(eq=False)
-class _Pins:
-    """The lease rows a connection's open transaction pinned (see
-    :meth:`LeaseStrategy.pin`), and which transaction that is: the driver's
-    connection and the transaction's outermost ``atomic`` block."""
-
-    raw: Any
-    outermost: Any
-    rows: set[tuple[str, str]]
-    connection: weakref.ref[BaseDatabaseWrapper]
-
-    def current(self) -> bool:
-        """Whether the transaction that pinned the rows is still open (read
-        from any thread: a guess that can only be late)."""
-        connection = self.connection()
-        return (
-            connection is not None
-            and connection.in_atomic_block
-            and self.raw is connection.connection
-            and self.outermost is _outermost(connection)
-        )
-
-
-#: (alias, row, token) -> the pins of the open transaction that pinned that
-#: lease row; an entry goes with its transaction's pins (replaced by the
-#: next transaction's on the same connection)
-_PINNED: weakref.WeakValueDictionary[tuple[str, str, str], _Pins] = weakref.WeakValueDictionary()
-
-
-class _RowPinned(Exception):
-    """The lease row is locked by its holder's own open transaction, on
-    another thread's connection: a statement from here would wait for it."""
-
-
-def _outermost(connection: BaseDatabaseWrapper) -> Any:
-    blocks = connection.atomic_blocks
-    return blocks[0] if blocks else None
-
-
-def _remember_pin(connection: BaseDatabaseWrapper, req: Request) -> None:
-    """Note that ``connection``'s open transaction share-locks ``req``'s lease row."""
-    raw, outermost = connection.connection, _outermost(connection)
-    pins: _Pins | None = connection.__dict__.get("_dlock_pins")  # (kept on the wrapper)
-    if pins is None or pins.raw is not raw or pins.outermost is not outermost:
-        pins = _Pins(raw, outermost, set(), weakref.ref(connection))
-        connection.__dict__["_dlock_pins"] = pins
-    pins.rows.add((req.row, req.token))
-    _PINNED[(req.alias, req.row, req.token)] = pins
-
-
-def pinned_by_caller(req: Request) -> BaseDatabaseWrapper | None:
-    """The calling thread's connection when its open transaction pinned
-    ``req``'s lease row (a guard inside the caller's ``atomic`` block).
-
-    A release or extend on any other connection would wait for that row
-    until the caller's transaction ends: for the caller itself. A
-    transaction is told apart by its driver connection and its outermost
-    ``atomic`` block; one that reuses both (a function decorated with
-    ``atomic``, called again) may count as the same, and then a release
-    waits for nothing but joins the caller's transaction all the same.
-    """
-    connection = thread_connection(req.alias)
-    if not connection.in_atomic_block:  # (asked at every release: the cheap question first)
-        return None
-    pins: _Pins | None = connection.__dict__.get("_dlock_pins")
-    if (
-        pins is None
-        or pins.raw is not connection.connection
-        or pins.outermost is not _outermost(connection)
-        or (req.row, req.token) not in pins.rows
-    ):
-        return None
-    return connection
-
-
-class CallerGone(Exception):
-    """The caller's transaction ended with its session (and its pins with it)."""
-
-
-def _session_gone(connection: BaseDatabaseWrapper) -> bool:
-    raw = connection.connection
-    if raw is None:
-        return True
-    if connection.vendor == "mysql":  # (the driver may not have noticed yet: a ping)
-        try:
-            return not connection.is_usable()
-        except Exception:
-            return True
-    return bool(getattr(raw, "closed", False))
-
-
-@contextlib.contextmanager
-def in_caller_transaction(caller: BaseDatabaseWrapper) -> Iterator[None]:
-    """A savepoint of the caller's transaction that pinned a lease row;
-    :class:`CallerGone` if that transaction ended with its session (a
-    holder frozen past its idle bound, a server that ended it): the pin went
-    with it, and the statement can run the usual way."""
-    try:
-        with transaction.atomic(using=caller.alias):
-            yield
-    except (DatabaseError, DatabaseUnavailable) as exc:
-        if not _session_gone(caller):
-            raise
-        caller.__dict__.pop("_dlock_pins", None)
-        raise CallerGone from exc
 
 
 def _release_after_transaction(
@@ -443,7 +341,7 @@ class LeaseStrategy:
             # expiry is part of that transaction (a rollback undoes it).
             with contextlib.suppress(CallerGone), in_caller_transaction(caller):
                 return self.extend_on(caller, req, ttl)
-        pins = _PINNED.get((req.alias, req.row, req.token)) if _PINNED else None
+        pins = PINNED.get((req.alias, req.row, req.token)) if PINNED else None
         if pins is not None and pins.current():
             # The holder's renewer: its holder's transaction (a guard inside
             # an outer one) keeps the row locked, and would keep this
@@ -451,7 +349,7 @@ class LeaseStrategy:
             # holder releases meanwhile (the release stops the renewer).
             # The renewer tries again soon; nobody can take the lease over
             # while the row is locked.
-            raise _RowPinned(
+            raise RowPinned(
                 "its holder's open transaction keeps the lease row locked (a guard "
                 "inside an outer transaction): renewed once that transaction has ended"
             )
@@ -557,7 +455,7 @@ class LeaseStrategy:
         if connection.in_atomic_block:
             # (also when nothing was found: MySQL/MariaDB keep the row's lock
             # all the same, SQLite the database's write lock)
-            _remember_pin(connection, req)
+            remember_pin(connection, req)
         return found
 
     def pin_query(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[str, list[str]]:
