@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from django_dlock import _logging  # noqa: F401  (escapes control characters in log lines)
 from django_dlock.exceptions import (
+    CommitOutcomeUnknown,
     DatabaseUnavailable,
     DLockError,
     GuardNotSupported,
@@ -35,6 +36,7 @@ from django_dlock.exceptions import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommitOutcomeUnknown",
     "DLockError",
     "DatabaseUnavailable",
     "GuardNotSupported",

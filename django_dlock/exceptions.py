@@ -11,6 +11,7 @@ from __future__ import annotations
 from django.core.exceptions import SynchronousOnlyOperation
 
 __all__ = [
+    "CommitOutcomeUnknown",
     "DLockError",
     "DatabaseUnavailable",
     "GuardNotSupported",
@@ -56,6 +57,20 @@ class DatabaseUnavailable(DLockError):
     restarting or failing over, or the connection broke. What state the lock
     is in depends on the call that raised it; the documentation of each
     strategy says.
+    """
+
+
+class CommitOutcomeUnknown(DatabaseUnavailable):
+    """The connection broke while the COMMIT of ``Lock.guard()``'s writes was
+    in flight, and no answer came: the writes may have committed, or not.
+
+    Only the data can tell: look at it before writing again (a blind retry
+    may apply the writes twice). Raised only when the server may have run
+    the COMMIT; a guard whose COMMIT was answered returns normally (even if
+    the session ended right after), and one whose transaction surely rolled
+    back raises :class:`LockLost` (or :class:`DatabaseUnavailable` when the
+    database could not be reached afterwards). The driver's error is its
+    ``__cause__``.
     """
 
 

@@ -30,6 +30,16 @@ second), so the server ends a session that stays silent that long inside
 the block, and its transaction rolls back. SQLite has no server to do it:
 a process frozen inside a guarded transaction keeps every writer of that
 database file waiting until it resumes or dies.
+
+When the session of the guarded transaction ends, the guard says what
+became of the writes, never with a bare driver error (chained as the
+cause): :class:`~django_dlock.LockLost` when they were rolled back
+(:class:`~django_dlock.DatabaseUnavailable` when the database could not be
+asked afterwards whether the lock is still held), nothing when their COMMIT
+was answered (the session ended after it), and
+:class:`~django_dlock.CommitOutcomeUnknown` when the connection broke with
+the COMMIT in flight. A session found gone when the guard's own transaction
+begins is replaced, once.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import math
 import select
 import weakref
@@ -47,12 +58,19 @@ from django.db import DatabaseError, Error, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import holdings
-from django_dlock.exceptions import GuardNotSupported, LockLost
+from django_dlock.exceptions import (
+    CommitOutcomeUnknown,
+    DatabaseUnavailable,
+    GuardNotSupported,
+    LockLost,
+)
 from django_dlock.holdings import Holding
 from django_dlock.strategies.base import Guards, Request, guards
-from django_dlock.strategies.connection import numbered
+from django_dlock.strategies.connection import numbered, unreachable
 
 __all__ = ["guarded", "pinned", "same_database"]
+
+logger = logging.getLogger("django.db.backends.base")  # (where Django logs on_commit errors)
 
 
 @contextlib.contextmanager
@@ -68,8 +86,19 @@ def guarded(held: Sequence[Holding], using: str | None) -> Iterator[None]:
             raise holding.error() if holding.lost else _ended(holding)
     if strategy.transaction_scoped:
         # The lock is held by this very transaction: it ends with it.
-        with transaction.atomic(using=using):
-            yield
+        try:
+            with transaction.atomic(using=using):
+                yield
+        except DatabaseError as exc:
+            if not _session_ended(connections[using], exc):
+                raise
+            for holding in held:
+                holding.mark_lost("its transaction ended with its session")
+            raise LockLost(
+                "the guarded writes under "
+                f"{names} were rolled back: {_why_ended(connections[using], exc)}, "
+                "and the lock held by their transaction ended with it"
+            ) from exc
         return
     if not guards(strategy):
         raise GuardNotSupported(
@@ -115,37 +144,147 @@ def pinned(
     # PostgreSQL on psycopg 3, a transaction of the guard's own: the bound
     # goes with BEGIN and the check with COMMIT, no round trip of their own
     merged = len(reqs) == 1 and _merges(connection)
+    own = not connection.in_atomic_block  # (else a savepoint of the caller's transaction)
+    #: the block's writes are being committed (an error now may leave them
+    #: committed or not)
+    committing = False
+    #: on_commit callbacks of a transaction committed on a connection that
+    #: broke right after: run here, as Django would have
+    hooks: list[Any] | None = None
     try:
-        with transaction.atomic(using=using), _bounded(connection, reqs[0].ttl, merged):
+        with _begun(connection, using, reqs[0].ttl, merged, own):
             yield
             if connection.needs_rollback:
                 return  # the block asked for a rollback: nothing will commit
+            committing = own
             if merged and _pinned_at_commit(connection, strategy, reqs[0]):
-                return
-            for req in reqs:
-                if not strategy.pin(connection, req):
-                    raise LockLost(
-                        f"the guarded writes under {names} were rolled back: "
-                        f"{req.key.name!r} was lost ({lost(req)})"
-                    )
+                if _broken(connection):  # committed, and then the session ended
+                    hooks = _forget_committed(connection)
+            else:
+                committing = False
+                for req in reqs:
+                    if not strategy.pin(connection, req):
+                        raise LockLost(
+                            f"the guarded writes under {names} were rolled back: "
+                            f"{req.key.name!r} was lost ({lost(req)})"
+                        )
+                committing = own
     except _Lost as exc:
         req = exc.args[0]
         raise LockLost(
             f"the guarded writes under {names} were rolled back: "
             f"{req.key.name!r} was lost ({lost(req)})"
         ) from None
+    except _Unknown as exc:
+        raise _unknown(names) from exc.__cause__
     except DatabaseError as exc:
+        if committing and _unanswered(connection, exc):
+            raise _unknown(names) from exc
         if not _session_ended(connection, exc):
             raise
-        # The server ended the session: it stayed silent inside the guarded
-        # transaction for as long as the lease lasts (see _bounded), or it was
-        # terminated; the transaction rolled back.
+        # The server ended the session (it stayed silent inside the guarded
+        # transaction for as long as the lease lasts, see _bounded; an
+        # administrator; a restart) or the connection broke before the
+        # COMMIT went out: the transaction rolled back.
         connection.close()
-        ended()
-        raise LockLost(
-            f"the guarded writes under {names} were rolled back: "
-            f"{_why_ended(connection, exc, reqs[0].ttl)}"
-        ) from exc
+        why = _why_ended(connection, exc, reqs[0].ttl)
+        try:
+            ended()
+        except DatabaseUnavailable as unavailable:
+            raise DatabaseUnavailable(
+                f"the guarded writes under {names} were rolled back: {why}; whether "
+                f"the lock is still held could not be asked ({unavailable})"
+            ) from exc
+        raise LockLost(f"the guarded writes under {names} were rolled back: {why}") from exc
+    if hooks:
+        _run_hooks(hooks)
+
+
+@contextlib.contextmanager
+def _begun(
+    connection: BaseDatabaseWrapper, using: str, ttl: float, merged: bool, own: bool
+) -> Iterator[None]:
+    """The guarded transaction (a savepoint inside the caller's), bounded by
+    :func:`_bounded`.
+
+    A transaction of the guard's own (``own``) whose first statement finds
+    the session gone (ended by the server while the connection sat idle)
+    begins once more on a new connection: nothing was sent in it yet.
+    """
+    for attempt in (1, 2):
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(transaction.atomic(using=using))
+            stack.enter_context(_bounded(connection, ttl, merged))
+        except DatabaseError as exc:
+            retry = own and attempt == 1 and _session_ended(connection, exc)
+            try:
+                stack.__exit__(type(exc), exc, exc.__traceback__)  # (Django rolls back)
+            except DatabaseError:
+                if not retry:
+                    raise
+            if not retry:
+                raise
+            connection.close()
+            continue
+        break
+    with stack:
+        yield
+
+
+def _broken(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection``'s psycopg connection is no longer usable (the
+    session ended, or it was left in pipeline mode)."""
+    from psycopg import pq
+
+    pgconn = connection.connection.pgconn
+    return bool(pgconn.status != pq.ConnStatus.OK or pgconn.pipeline_status)
+
+
+def _forget_committed(connection: BaseDatabaseWrapper) -> list[Any]:
+    """Close ``connection``, whose transaction has committed and whose
+    session then broke, so that Django's ``atomic`` does not commit again
+    (which would fail); its ``on_commit`` callbacks, which closing drops,
+    for :func:`_run_hooks`."""
+    hooks = list(connection.run_on_commit)
+    connection.close()  # (inside the atomic block: Django ends it without a COMMIT)
+    return hooks
+
+
+def _run_hooks(hooks: list[Any]) -> None:
+    """Run the ``on_commit`` callbacks of a committed transaction, as Django does."""
+    for _sids, func, robust in hooks:
+        if not robust:
+            func()
+            continue
+        try:
+            func()
+        except Exception as exc:
+            logger.exception(
+                "Error calling %s in on_commit() (%s).", getattr(func, "__qualname__", func), exc
+            )
+
+
+def _unknown(names: str) -> CommitOutcomeUnknown:
+    return CommitOutcomeUnknown(
+        f"the connection broke while the COMMIT of the guarded writes under {names} was "
+        "in flight, and no answer came: they may have committed or not. Look at the data "
+        "before writing them again"
+    )
+
+
+def _unanswered(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a COMMIT, says that no answer came from the
+    server (the connection broke): the COMMIT may have run. An error the
+    server sent (it ended the session, refused the commit) means it did not."""
+    if connection.vendor == "postgresql":
+        from django_dlock.strategies._pg import sqlstate
+
+        return sqlstate(exc) is None and unreachable(connection, exc)
+    if connection.vendor == "mysql":
+        code = getattr(exc.__cause__, "args", (None,))[0]
+        return code == 2013  # lost the connection during the query
+    return False
 
 
 def same_database(names: str, alias: str, using: str | None) -> str:
@@ -160,42 +299,54 @@ def same_database(names: str, alias: str, using: str | None) -> str:
 
 
 def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
-    """Whether ``exc`` says the server ended the session (its idle timeout)."""
+    """Whether ``exc`` says the session is gone: the server ended it (its
+    idle timeout, an administrator, a shutdown) or the connection broke."""
     if connection.vendor == "postgresql":
         from django_dlock.strategies._pg import sqlstate
 
-        # idle in transaction too long, or the session terminated
-        return sqlstate(exc) in ("25P03", "57P01")
-    if connection.vendor == "mysql":
+        # idle in transaction too long, the session terminated, a shutdown
+        if sqlstate(exc) in _SESSION_ENDED:
+            return True
+    elif connection.vendor == "mysql":
         code = getattr(exc.__cause__, "args", (None,))[0]
-        # gone away, lost the connection, disconnected for inactivity (MySQL 8)
-        return code in (2006, 2013, 4031)
-    return False
+        # gone away, lost the connection, killed, disconnected for inactivity (MySQL 8)
+        if code in (1927, 2006, 2013, 4031):
+            return True
+    return unreachable(connection, exc)
 
 
-def _why_ended(connection: BaseDatabaseWrapper, exc: BaseException, ttl: float) -> str:
-    """How the server ended the session of a guarded transaction, in words."""
+def _why_ended(
+    connection: BaseDatabaseWrapper, exc: BaseException, ttl: float | None = None
+) -> str:
+    """How the session of a guarded transaction ended, in words."""
+    lease = "" if ttl is None else f" ({ttl:g} s)"
     idle = (
         "the server ended the session of their transaction, which stayed silent inside "
-        f"it for longer than the lease ({ttl:g} s)"
+        f"it for longer than the lease{lease}"
     )
     if connection.vendor == "postgresql":
         from django_dlock.strategies._pg import sqlstate
 
-        if sqlstate(exc) == "25P03":
+        state = sqlstate(exc)
+        if state == "25P03":
             return idle
-        return (
-            "the session of their transaction was ended by the server (terminated by an "
-            "administrator, e.g. pg_terminate_backend, or the server shut down)"
-        )
-    code = getattr(exc.__cause__, "args", (None,))[0]
-    if code == 4031:
-        return idle
-    return (
-        "the session of their transaction was ended: it was killed (KILL), the connection "
-        "to the server was lost, or it stayed silent for longer than the lease "
-        f"({ttl:g} s) and the server closed it"
-    )
+        if state in _SESSION_ENDED:
+            return (
+                "the session of their transaction was ended by the server (terminated by an "
+                "administrator, e.g. pg_terminate_backend, or the server shut down)"
+            )
+    elif connection.vendor == "mysql":
+        code = getattr(exc.__cause__, "args", (None,))[0]
+        if code == 4031:
+            return idle
+        if code in (1927, 2006, 2013):
+            return (
+                "the session of their transaction was ended: it was killed (KILL), the "
+                "connection to the server was lost, or it stayed silent for longer than the "
+                f"lease{lease} and the server closed it"
+            )
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"the session of their transaction ended ({detail})"
 
 
 @contextlib.contextmanager
@@ -241,6 +392,15 @@ class _Lost(Exception):
     """The merged check found the holding lost (carries its request)."""
 
 
+class _Unknown(Exception):
+    """The merged COMMIT may have run, but no answer came (its cause: why)."""
+
+
+#: SQLSTATEs of a session the server ended: idle in transaction too long,
+#: terminated by an administrator, a shutdown
+_SESSION_ENDED = ("25P03", "57P01", "57P02", "57P03")
+
+
 def _merges(connection: BaseDatabaseWrapper) -> bool:
     """Whether the guard may send its bound with BEGIN and its check with
     COMMIT: PostgreSQL on psycopg 3 with a libpq that has pipeline mode
@@ -279,6 +439,9 @@ def _begin_with(connection: BaseDatabaseWrapper, statement: str) -> None:
     with connection.wrap_database_errors, raw.lock:
         result = raw.pgconn.exec_(sql)
         if result.status != pq.ExecStatus.COMMAND_OK:
+            if raw.pgconn.status != pq.ConnStatus.OK:  # (as psycopg's cursor says it)
+                message = result.error_message or b"the connection broke"
+                raise psycopg.OperationalError(message.decode(errors="replace").strip())
             raise psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
 
 
@@ -293,19 +456,25 @@ _PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionar
 def _pipeline(pgconn: Any, steps: Sequence[_Step]) -> list[Any]:
     """Send ``steps`` in libpq's pipeline mode, then a sync point: one round
     trip. The result of each step (``None`` where none came: the connection
-    broke)."""
+    broke). The connection leaves pipeline mode, unless it broke (then
+    :func:`_broken` says so)."""
+    import psycopg
     from psycopg import pq
 
     pgconn.enter_pipeline_mode()
     try:
-        for kind, first, second in steps:
-            if kind == "query":
-                pgconn.send_query_params(first, second)
-            elif kind == "prepare":
-                pgconn.send_prepare(first, second)
-            else:
-                pgconn.send_query_prepared(first, second)
-        pgconn.pipeline_sync()
+        try:
+            for kind, first, second in steps:
+                if kind == "query":
+                    pgconn.send_query_params(first, second)
+                elif kind == "prepare":
+                    pgconn.send_prepare(first, second)
+                else:
+                    pgconn.send_query_prepared(first, second)
+            _sending(pgconn)
+            pgconn.pipeline_sync()
+        except psycopg.OperationalError:
+            pass  # the connection broke: the results that came say how far the server got
         results: list[Any] = []
         for _ in steps:
             found = None
@@ -314,11 +483,24 @@ def _pipeline(pgconn: Any, steps: Sequence[_Step]) -> list[Any]:
             results.append(found)
             if pgconn.status == pq.ConnStatus.BAD:
                 return results + [None] * (len(steps) - len(results))
-        _next_result(pgconn)  # the sync point
+        # the sync point; the server may have ended the session instead of
+        # reaching it (after the last step ran): read up to there, whatever came
+        for _ in range(8):
+            result = _next_result(pgconn)
+            if pgconn.status == pq.ConnStatus.BAD or (
+                result is not None and result.status == pq.ExecStatus.PIPELINE_SYNC
+            ):
+                break
         return results
     finally:
-        with contextlib.suppress(Exception):  # (a closed connection has no mode)
+        with contextlib.suppress(Exception):  # (a broken connection may stay in it)
             pgconn.exit_pipeline_mode()
+
+
+def _sending(pgconn: Any) -> None:
+    """Called when the steps of a pipeline are queued, before its sync point
+    is sent: nothing to do (a test pushes the steps out and ends the session
+    here, as a server can between the last step and the sync point)."""
 
 
 def _next_result(pgconn: Any) -> Any:
@@ -420,17 +602,29 @@ def _sqlstate_of(result: Any) -> str | None:
 
 
 def _commit_results(raw: Any, req: Request, results: list[Any]) -> None:
-    """Raise what the check's pipeline says went wrong (the first error)."""
+    """Raise what the check's pipeline (its last step the COMMIT) says went
+    wrong: the first error, :class:`_Lost` if the lease was not the
+    caller's, :class:`_Unknown` if the COMMIT may have run but its answer
+    never came."""
     import psycopg
     from psycopg import pq
 
-    for result in results:
-        if result is None:
-            raise psycopg.OperationalError("the connection was lost at commit")
+    last = len(results) - 1
+    for step, result in enumerate(results):
+        code = _sqlstate_of(result)
+        if result is None or (result.status == pq.ExecStatus.FATAL_ERROR and code is None):
+            # no answer from the server (the connection broke): it may have
+            # run everything, the COMMIT too
+            raise _Unknown(req) from psycopg.OperationalError(
+                "the connection broke before the COMMIT of the guarded writes was answered"
+            )
         if result.status == pq.ExecStatus.FATAL_ERROR:
             failed = psycopg.errors.error_from_result(result, encoding=raw.info.encoding)
-            if _sqlstate_of(result) == "22012":  # no row: not ours any more
+            if code == "22012":  # no row: not ours any more
                 raise _Lost(req) from failed
+            if step == last and code in _SESSION_ENDED:
+                # the session ended while the COMMIT ran: before or after it took effect
+                raise _Unknown(req) from failed
             raise failed
 
 

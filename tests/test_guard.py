@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from celery import Celery
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 
 import django_dlock as dlock
 from django_dlock import dbclock
@@ -232,6 +232,229 @@ def test_aguard_runs_the_writes_in_a_guarded_transaction(alias):
 
     asyncio.run(main())
     assert _read(alias) == "A"
+
+
+# -- a guard inside the caller's transaction (a view under ATOMIC_REQUESTS) -------------
+
+#: a lease long enough that a release waiting for its own pin shows (PostgreSQL
+#: ends the caller's session after it, MariaDB gives up after 50 s)
+VIEW_TTL = 10.0
+
+
+@pytest.mark.parametrize("then", ["release", "extend"])
+def test_a_release_or_extend_in_the_transaction_of_its_guard_does_not_wait_for_itself(alias, then):
+    # The natural shape of a view: the request's transaction, a guarded
+    # write, the lock given back (or extended) before the view returns.
+    lk = dlock.lock("guard:view", using=alias, ttl=VIEW_TTL)
+    started = time.monotonic()
+    with transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        if then == "extend":
+            lk.extend(VIEW_TTL)
+            with lk.guard():
+                _write(alias, "B")
+        lk.release()
+        _write(alias, "C")  # the rest of the view
+    assert time.monotonic() - started < VIEW_TTL / 2  # it never waited for its own pin
+    assert _read(alias) == "C"
+    assert not lk.locked()  # released when the transaction committed
+    assert not lk.lost
+    with dlock.lock("guard:view", using=alias, timeout=0):  # anyone can take it now
+        pass
+
+
+def test_a_read_lock_released_in_the_transaction_of_its_guard_does_not_wait_for_itself(alias):
+    # A reader's guard share-locks the key's row: its release in the same
+    # transaction must not wait for it either.
+    lk = dlock.lock("guard:view-reader", using=alias, ttl=VIEW_TTL, shared=True)
+    started = time.monotonic()
+    with transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        lk.release()
+    assert time.monotonic() - started < VIEW_TTL / 2  # it never waited for its own pin
+    assert _read(alias) == "A"
+    assert not lk.locked()
+    with dlock.lock("guard:view-reader", using=alias, timeout=0):  # a writer gets in now
+        pass
+
+
+def test_a_renewed_lock_released_in_the_transaction_of_its_guard_is_not_lost(alias):
+    # renew=True: the renewer, on a thread of its own, must not wait for the
+    # row the holder's transaction pinned (and the release, which stops the
+    # renewer first, for the renewer).
+    ttl = 3.0
+    lk = dlock.lock("guard:view-renewed", using=alias, ttl=ttl, renew=True)
+    with transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        time.sleep(ttl / 3 + 0.5)  # the renewer's first renewal falls in the transaction
+        lk.release()
+    assert not lk.lost
+    assert _read(alias) == "A"
+    assert not lk.locked()
+
+
+def test_a_release_in_a_transaction_that_rolls_back_still_frees_the_lock(alias):
+    # The release was part of the transaction that rolled back: it is made
+    # again once the transaction has ended, so the key is not kept until
+    # its lease runs out.
+    lk = dlock.lock("guard:view-rollback", using=alias, ttl=60)
+    with pytest.raises(RuntimeError), transaction.atomic(using=alias):
+        assert lk.acquire(timeout=5)
+        with lk.guard():
+            _write(alias, "A")
+        lk.release()
+        raise RuntimeError("the view fails after the release")
+    assert _read(alias) == "-"  # nothing of the transaction was written
+    wait_until(lambda: not lk.locked())  # well before the lease's 60 s
+    with dlock.lock("guard:view-rollback", using=alias, timeout=0):
+        pass
+
+
+# -- the guard's session ends (PostgreSQL: pg_terminate_backend) ----------------------
+
+
+def _end_session(connection: Any) -> None:
+    """End ``connection``'s server session from another one (PostgreSQL
+    ``pg_terminate_backend``, MariaDB ``KILL``), and wait until it is gone."""
+    alias = connection.alias
+    other = connections[alias].copy(alias)
+    if connection.vendor == "postgresql":
+        pid = connection.connection.info.backend_pid
+        end = "SELECT pg_terminate_backend(%s)"
+        listed = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    else:
+        pid = connection.connection.thread_id()
+        end = "KILL %s"
+        listed = "SELECT count(*) FROM information_schema.processlist WHERE id = %s"
+    try:
+        with other.cursor() as cur:
+            cur.execute(end, [pid])
+
+            def gone() -> bool:
+                cur.execute(listed, [pid])
+                return cur.fetchone()[0] == 0
+
+            wait_until(gone)
+    finally:
+        other.close()
+
+
+@pytest.fixture
+def fresh_pg(pg: str) -> Iterator[str]:
+    """PostgreSQL, on a new session of the test's thread (closed after: it may be broken)."""
+    _probe(pg)
+    connections[pg].close()
+    yield pg
+    connections[pg].close()
+    dlock.close_connections()
+
+
+@pytest.fixture(params=["default", "mysql"], ids=["postgresql", "mariadb"])
+def fresh(request: pytest.FixtureRequest) -> Iterator[str]:
+    """:func:`fresh_pg` on PostgreSQL and MariaDB."""
+    _probe(request.param)
+    connections[request.param].close()
+    yield request.param
+    connections[request.param].close()
+    dlock.close_connections()
+
+
+def test_a_guard_whose_session_ended_while_idle_begins_on_a_new_one(fresh):
+    # The session ended before the guard began (nothing of it was sent):
+    # the guarded transaction begins on a new connection.
+    lk = dlock.lock("guard:ended-idle", using=fresh, ttl=30)
+    assert lk.acquire(timeout=0)
+    connections[fresh].ensure_connection()  # (the lock's statements may use another)
+    _end_session(connections[fresh])
+    with lk.guard():
+        _write(fresh, "A")
+    assert _read(fresh) == "A"
+    assert lk.owned()
+    lk.release()
+
+
+@pytest.mark.parametrize("then", ["write", "exit"])
+def test_a_guard_whose_session_ends_inside_its_block_raises_lock_lost(fresh_pg, then):
+    # Ended inside the block: the block's next statement, or the check at its
+    # end, finds the session gone; the writes were rolled back.
+    lk = dlock.lock("guard:ended-inside", using=fresh_pg, ttl=30)
+    assert lk.acquire(timeout=0)
+    with pytest.raises(dlock.LockLost, match="rolled back: the session") as caught, lk.guard():
+        _write(fresh_pg, "A")
+        _end_session(connections[fresh_pg])
+        if then == "write":
+            _write(fresh_pg, "B")
+    assert isinstance(caught.value.__cause__, DatabaseError)  # the driver's error, chained
+    assert _read(fresh_pg) == "-"
+    assert lk.owned()  # the lease itself is still the holder's
+    lk.release()
+
+
+@pytest.mark.parametrize("strategy", ["row", "advisory_xact"])
+def test_a_guard_of_a_transaction_lock_whose_session_ended_raises_lock_lost(fresh_pg, strategy):
+    # The lock lived in the transaction the server ended: the guard's
+    # SAVEPOINT finds it gone.
+    with pytest.raises(dlock.LockLost) as caught, transaction.atomic(using=fresh_pg):
+        lk = dlock.lock("guard:ended-xact", using=fresh_pg, strategy=strategy)
+        assert lk.acquire(timeout=0)
+        _end_session(connections[fresh_pg])
+        with lk.guard():
+            _write(fresh_pg, "A")
+    assert isinstance(caught.value.__cause__, DatabaseError)
+    assert _read(fresh_pg) == "-"
+
+
+def test_a_release_after_the_session_of_its_guards_transaction_ended(fresh_pg):
+    # The guard pinned the lease row in the caller's transaction, whose
+    # session then ended (a holder frozen past its idle bound): the release
+    # no longer has a transaction to join, and releases the usual way.
+    lk = dlock.lock("guard:ended-outer", using=fresh_pg, ttl=30)
+    with pytest.raises(DatabaseError), transaction.atomic(using=fresh_pg):  # (Django's commit)
+        assert lk.acquire(timeout=0)
+        with lk.guard():
+            _write(fresh_pg, "A")
+        _end_session(connections[fresh_pg])
+        lk.release()
+    assert _read(fresh_pg) == "-"
+    assert not lk.locked()
+
+
+def test_a_guard_whose_session_ends_after_its_commit_ran_returns(fresh_pg, monkeypatch):
+    # The check and COMMIT go out in a pipeline; the server runs them and
+    # ends the session before it reaches the pipeline's sync point. The
+    # writes committed: the guard returns normally, and the connection's
+    # next use opens a new one.
+    from django_dlock import guard
+
+    lk = dlock.lock("guard:ended-commit", using=fresh_pg, ttl=30)
+    assert lk.acquire(timeout=0)
+    connection = connections[fresh_pg]
+    committed: list[str] = []
+
+    def end_after_commit(pgconn: Any) -> None:
+        while pgconn.flush():  # the steps go out (the sync point is not sent yet)
+            time.sleep(0.01)
+        wait_until(lambda: _read(fresh_pg) == "A")  # the server ran the COMMIT
+        _end_session(connection)
+
+    monkeypatch.setattr(guard, "_sending", end_after_commit)
+    with lk.guard():
+        _write(fresh_pg, "A")
+        transaction.on_commit(lambda: committed.append("A"), using=fresh_pg)
+    monkeypatch.undo()
+    assert _read(fresh_pg) == "A"
+    assert committed == ["A"]  # its on_commit callbacks ran
+    assert lk.owned()
+    with lk.guard():  # and the connection works again
+        _write(fresh_pg, "B")
+    assert _read(fresh_pg) == "B"
+    lk.release()
 
 
 # -- transaction-scoped strategies: the lock lives in the caller's transaction ----------

@@ -37,7 +37,8 @@ number + 1, and a new row starts above ``FenceFloor.value``, which
 
 The package: :mod:`.sql` (the statements), :mod:`.acquire` (one try),
 :mod:`.waiting` (how a waiter with a ticket waits), :mod:`.handoff` (an
-async step's cancellation) and :mod:`.strategy` (:class:`LeaseStrategy`).
+async step's cancellation), :mod:`.pins` (a lease row its holder's own
+transaction keeps locked) and :mod:`.strategy` (:class:`LeaseStrategy`).
 """
 
 from __future__ import annotations

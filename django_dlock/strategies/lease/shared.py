@@ -64,6 +64,10 @@ from django_dlock.strategies.connection import (
     lock_connection,
     with_reconnect,
 )
+from django_dlock.strategies.lease.pins import (
+    CallerGone,
+    pinned_by_caller,
+)
 from django_dlock.strategies.lease.sql import (
     _FENCE,
     FAST_COMMIT,
@@ -330,7 +334,13 @@ class SharedLeaseStrategy(LeaseStrategy):
     @contextlib.contextmanager
     def _transaction(self, connection: BaseDatabaseWrapper) -> Iterator[CursorWrapper]:
         """A transaction of its own on ``connection`` (see :data:`_BEGIN`),
-        committed when the block ends, rolled back if it raises."""
+        committed when the block ends, rolled back if it raises; inside the
+        caller's transaction (whose guard pinned the key's row), a savepoint
+        of it."""
+        if connection.in_atomic_block:
+            with in_savepoint(connection) as cur:
+                yield cur
+            return
         with cursor(connection) as cur:
             cur.execute(_BEGIN[connection.vendor])
             try:
@@ -536,6 +546,15 @@ class SharedLeaseStrategy(LeaseStrategy):
     # -- release, extend, inspect ----------------------------------------------
 
     def release(self, req: Request) -> bool:
+        caller = pinned_by_caller(req)
+        if caller is not None:
+            # The caller's open transaction share-locks the key's row (a guard
+            # inside it): the release is part of that transaction, and again
+            # after it if it rolls back (the reader's lease of the same fence).
+            with contextlib.suppress(CallerGone):
+                return _release_after_transaction(
+                    caller, req, self.release_on, self._release_fenced
+                )
         connection = lock_connection(req.alias)
         if connection.in_atomic_block:  # SQLite: the caller's transaction has written
             return _release_after_transaction(
@@ -561,7 +580,9 @@ class SharedLeaseStrategy(LeaseStrategy):
         _again(lambda: self._release_on(connection, req, fence))
 
     def _pg_release(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
-        fast = "" if conf.LEASE_SYNCHRONOUS_COMMIT else FAST_COMMIT
+        # (inside the caller's transaction: as durable as its commit)
+        durable = conf.LEASE_SYNCHRONOUS_COMMIT or connection.in_atomic_block
+        fast = "" if durable else FAST_COMMIT
         params = {
             "row": req.row,
             "token": req.token,

@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import OperationalError, connections
+from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import dbclock, notify
@@ -45,6 +46,14 @@ from django_dlock.strategies.connection import (
     with_reconnect,
 )
 from django_dlock.strategies.lease.acquire import acquire_on
+from django_dlock.strategies.lease.pins import (
+    PINNED,
+    CallerGone,
+    RowPinned,
+    in_caller_transaction,
+    pinned_by_caller,
+    remember_pin,
+)
 from django_dlock.strategies.lease.sql import FAST_COMMIT, PG_RELEASE_SQL, PG_TAKE_OVER, TABLE, read
 from django_dlock.strategies.lease.waiting import Look, TicketWait, attempt, look
 
@@ -64,36 +73,44 @@ def _release_after_transaction(
     release_on: Callable[[BaseDatabaseWrapper, Request], bool],
     release_fenced: Callable[[BaseDatabaseWrapper, Request, int], object] | None = None,
 ) -> bool:
-    """SQLite: release ``req`` in the caller's writing transaction, and again
-    once that transaction has ended.
+    """Release ``req`` in the caller's transaction, and again once that
+    transaction has ended.
 
-    The caller's transaction holds SQLite's one write lock, so no other
-    connection can write until it ends, and the release runs on the
-    caller's connection, as part of that transaction: free the moment it
-    commits. A rollback would undo it and leave the lock held until its
-    lease runs out, so a thread of its own releases the committed lease
-    again as soon as the caller's transaction has ended (nobody else could
-    take the key before that); after a commit that finds nothing left to
-    do. That statement matches the fencing number committed before the
-    release (read on the thread's private connection, which does not see
-    the caller's transaction): a grant made inside the caller's transaction
-    is undone by its rollback, and a new grant of the same key afterwards
-    (the same thread trying again) is left alone.
+    For the caller's transaction whose guard pinned the lease row (on any
+    database), and SQLite's writing transaction: no other connection can
+    change the row until the caller's transaction ends (SQLite has one
+    writer at a time), so the release runs on the caller's connection, as
+    part of that transaction (in a savepoint: a failed release leaves the
+    transaction usable), and the lock is free the moment it commits, with
+    the transaction's writes. A rollback undoes the release with the rest:
+    so a thread of its own releases the lease again as soon as the caller's
+    transaction has ended (nobody else could take the key before that);
+    after a commit it finds nothing left to do. That statement matches the
+    fencing number committed before the release (read on the thread's
+    private connection, which does not see the caller's transaction): a
+    grant made inside the caller's transaction is undone by its rollback,
+    and a new grant of the same key afterwards (the same thread trying
+    again) is left alone. On PostgreSQL and MySQL/MariaDB it waits for the
+    row that the caller's transaction holds, at most as long as the lease
+    has left; on SQLite it tries again every few milliseconds.
 
-    A transaction that failed (an error inside ``transaction.atomic``: Django
-    lets no statement run in it until it is rolled back) is only read, on
-    the driver's connection, to tell whether the lease was still the
-    caller's; its rollback and the thread do the rest.
+    A transaction that failed (an error inside ``transaction.atomic``:
+    Django lets no statement run in it until it is rolled back) is only
+    read, to tell whether the lease was still the caller's; its rollback
+    and the thread do the rest.
 
     ``release_fenced(connection, req, fence)``: the release after the
     transaction, of the lease with that fencing number only (a reader's;
     without it, the lease row's).
     """
-    live = f"expire_at > {dbclock.now_sql(caller)}"
-    mine = f"SELECT fence FROM {TABLE} WHERE name = %s AND token = %s AND {live}"
+    now = dbclock.now_sql(caller)
+    mine = (
+        f"SELECT fence, {dbclock.seconds_until_sql(caller, 'expire_at')} FROM {TABLE} "
+        f"WHERE name = %s AND token = %s AND expire_at > {now}"
+    )
     try:
         committed = fetch_one(committed_view(req.alias), mine, [req.row, req.token])
-    except OperationalError as exc:  # the caller's transaction keeps even readers out
+    except OperationalError as exc:  # SQLite: the caller's transaction keeps even readers out
         logger.warning(
             "django-dlock: could not read the lease of %s outside its holder's "
             "transaction: %s; if that transaction rolls back, the lease runs out on its own",
@@ -102,31 +119,52 @@ def _release_after_transaction(
         )
         committed = None
     if caller.needs_rollback:
-        # (sqlite3's own placeholders: Django's cursor refuses to run here)
-        raw_sql = mine % ("?", "?")
-        released = caller.connection.execute(raw_sql, [req.row, req.token]).fetchone() is not None
+        if caller.vendor == "sqlite":  # (sqlite3's own placeholders: Django's cursor refuses)
+            raw_sql = mine % ("?", "?")
+            found = caller.connection.execute(raw_sql, [req.row, req.token]).fetchone()
+            released = found is not None
+        else:  # (the server may refuse any statement in it: what was committed tells)
+            released = committed is not None
     else:
-        released = release_on(caller, req)
+        with in_caller_transaction(caller):
+            released = release_on(caller, req)
     if committed is None:
         return released
-    params: list[Any] = [req.row, req.token, int(committed[0])]
-    until = time.monotonic() + req.ttl
+    fence = int(committed[0])
+    params: list[Any] = [req.row, req.token, fence]
+    left = max(float(committed[1]), 0.0) + 1.0
+    until = time.monotonic() + left
 
     def release() -> None:
-        connection = connections[req.alias]  # this thread's own, in autocommit
+        connection = connections[req.alias]  # this thread's own
+        vendor = connection.vendor
+        now = dbclock.now_sql(connection)
         sql = (
-            f"UPDATE {TABLE} SET token = '', expire_at = {dbclock.now_sql(connection)} "
-            "WHERE name = %s AND token = %s AND fence = %s"
+            f"UPDATE {TABLE} SET token = '', expire_at = {now} "
+            f"WHERE name = %s AND token = %s AND fence = %s AND {dbclock.live_row_sql(connection)}"
         )
+        args: list[Any] = list(params)
+        if vendor == "postgresql":  # wakes the key's queue, as a release does
+            sql += f" RETURNING CASE WHEN queued THEN {queue.PG_WAKE_HEAD.format(name='%s')} END"
+            args.append(req.key.name)
         while True:
             try:
-                if release_fenced is None:
-                    execute(connection, sql, params)
-                else:
-                    release_fenced(connection, req, params[2])
+                with transaction.atomic(using=req.alias), connection.cursor() as cur:
+                    if vendor == "postgresql":
+                        cur.execute(f"SET LOCAL lock_timeout = {math.ceil(left * 1000)}")
+                    elif vendor == "mysql":  # (this thread's connection is closed after)
+                        cur.execute(f"SET SESSION innodb_lock_wait_timeout = {math.ceil(left)}")
+                    if release_fenced is None:
+                        cur.execute(sql, args)
+                    else:
+                        release_fenced(connection, req, fence)
                 return
-            except OperationalError as exc:  # still locked by the caller's transaction
-                if time.monotonic() > until:
+            except DatabaseError as exc:  # still locked by the caller's transaction?
+                if (
+                    vendor != "sqlite"
+                    or not isinstance(exc, OperationalError)
+                    or time.monotonic() > until
+                ):
                     logger.warning(
                         "django-dlock: could not release %s after its transaction: %s; "
                         "the lease runs out on its own",
@@ -289,6 +327,10 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
+        caller = pinned_by_caller(req)
+        if caller is not None:  # the caller's open transaction share-locks the row
+            with contextlib.suppress(CallerGone):  # (gone: the usual way below)
+                return _release_after_transaction(caller, req, self._release_on_for(req))
         if req.hold_at_least:  # TaskLock's min_hold
             return self.release_after(req, req.hold_at_least)
         connection = lock_connection(req.alias)
@@ -304,10 +346,21 @@ class LeaseStrategy:
             return found is None or found[0] == ""
         return released
 
+    def _release_on_for(self, req: Request) -> Callable[[BaseDatabaseWrapper, Request], bool]:
+        """:meth:`release_on`, or :meth:`release_after_on` for ``req``'s minimum hold."""
+        if req.hold_at_least:
+            return lambda connection, req: self.release_after_on(connection, req, req.hold_at_least)
+        return self.release_on
+
     def release_on(self, connection: BaseDatabaseWrapper, req: Request) -> bool:
-        """Release on ``connection``; ``False`` if the lease there is no longer ours."""
+        """Release on ``connection``; ``False`` if the lease there is no longer ours.
+
+        Inside the caller's transaction the release is as durable as the
+        transaction's own commit (the fast durability is the lock
+        statement's own transaction's, never the caller's)."""
         if connection.vendor == "postgresql":
-            sql = PG_RELEASE_SQL[conf.LEASE_SYNCHRONOUS_COMMIT]
+            durable = conf.LEASE_SYNCHRONOUS_COMMIT or connection.in_atomic_block
+            sql = PG_RELEASE_SQL[durable]
             params = [req.row, req.token, req.key.name]  # wakes the key's queue
             return execute(connection, sql, params)[0] is not None
         sql = (
@@ -317,6 +370,24 @@ class LeaseStrategy:
         return bool(execute(connection, sql, [req.row, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
+        caller = pinned_by_caller(req)
+        if caller is not None:
+            # The caller's open transaction share-locks the row: the new
+            # expiry is part of that transaction (a rollback undoes it).
+            with contextlib.suppress(CallerGone), in_caller_transaction(caller):
+                return self.extend_on(caller, req, ttl)
+        pins = PINNED.get((req.alias, req.row, req.token)) if PINNED else None
+        if pins is not None and pins.current():
+            # The holder's renewer: its holder's transaction (a guard inside
+            # an outer one) keeps the row locked, and would keep this
+            # statement waiting until it ends, its holder with it if that
+            # holder releases meanwhile (the release stops the renewer).
+            # The renewer tries again soon; nobody can take the lease over
+            # while the row is locked.
+            raise RowPinned(
+                "its holder's open transaction keeps the lease row locked (a guard "
+                "inside an outer transaction): renewed once that transaction has ended"
+            )
         extended, _ = with_reconnect(
             req.alias, lambda connection: self.extend_on(connection, req, ttl)
         )
@@ -325,7 +396,11 @@ class LeaseStrategy:
     def extend_on(self, connection: BaseDatabaseWrapper, req: Request, ttl: float) -> bool:
         """Renew on ``connection``; ``False`` if the lease there is no longer ours."""
         now_plus = dbclock.now_plus_sql(connection)
-        fast = connection.vendor == "postgresql" and not conf.LEASE_SYNCHRONOUS_COMMIT
+        fast = (
+            connection.vendor == "postgresql"
+            and not conf.LEASE_SYNCHRONOUS_COMMIT
+            and not connection.in_atomic_block  # (never the caller's transaction's durability)
+        )
         returning = f" RETURNING 1{FAST_COMMIT}" if fast else ""
         # A lease that has run out is not revived, even if nobody took it.
         sql = (
@@ -406,11 +481,17 @@ class LeaseStrategy:
                     f"WHERE name = %s AND token = %s AND expire_at > {now}",
                     [req.row, req.token],
                 )
-                return bool(cur.rowcount)
-        sql, params = self.pin_query(connection, req)
-        with connection.cursor() as cur:
-            cur.execute(sql, params)
-            return cur.fetchone() is not None
+                found = bool(cur.rowcount)
+        else:
+            sql, params = self.pin_query(connection, req)
+            with connection.cursor() as cur:
+                cur.execute(sql, params)
+                found = cur.fetchone() is not None
+        if connection.in_atomic_block:
+            # (also when nothing was found: MySQL/MariaDB keep the row's lock
+            # all the same, SQLite the database's write lock)
+            remember_pin(connection, req)
+        return found
 
     def pin_query(self, connection: BaseDatabaseWrapper, req: Request) -> tuple[str, list[str]]:
         """The ``SELECT`` of :meth:`pin` on PostgreSQL and MySQL/MariaDB: one
