@@ -312,3 +312,51 @@ def test_a_quorum_waiter_that_waited_longer_than_its_ttl_keeps_its_lease():
     quorum.close_all()
     assert result == {"got": True, "lost": False, "released": True}
     assert losses == []
+
+
+def test_a_renewal_that_waited_for_its_row_past_the_lease_end_does_not_revive_it():
+    """Another session holds the lease row (a stalled transaction) while the
+    lease runs out; the holder's extend() waits for the row. When the row
+    is let go, the lease has ended: extend() raises LockLost, and the row
+    stays expired (judged once the row is the renewal's, not when its
+    statement began, which would bring back a lease its holder may already
+    have been told it lost)."""
+    lk = dlock.lock("revive", ttl=1)
+    assert lk.acquire(timeout=0)
+    holding = threading.Event()
+
+    def stall() -> None:
+        other = connections["default"].copy()
+        try:
+            with other.cursor() as cur:
+                cur.execute("BEGIN")
+                cur.execute("SELECT 1 FROM django_dlock_lock WHERE name = 'lock:revive' FOR UPDATE")
+                holding.set()
+
+                def extend_waits() -> bool:
+                    cur.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND wait_event_type = 'Lock' AND query LIKE %s",
+                        ["%UPDATE django_dlock_lock SET expire_at%"],
+                    )
+                    return cur.fetchone()[0] == 1
+
+                wait_until(extend_waits)
+                # the lease runs out (database clock) while the renewal waits
+                cur.execute("SELECT pg_sleep(1.2)")
+                cur.execute("ROLLBACK")
+        finally:
+            other.close()
+
+    thread = threading.Thread(target=stall)
+    thread.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(dlock.LockLost):
+            lk.extend(30)
+    finally:
+        thread.join(30)
+    with connections["default"].cursor() as cur:
+        cur.execute("SELECT expire_at <= now() FROM django_dlock_lock WHERE name = 'lock:revive'")
+        assert cur.fetchone()[0] is True  # not revived
+    assert dlock.lock("revive").acquire(timeout=0)

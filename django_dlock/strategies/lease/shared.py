@@ -65,6 +65,7 @@ from django_dlock.strategies.connection import (
     with_reconnect,
 )
 from django_dlock.strategies.lease.pins import (
+    PINNED,
     CallerGone,
     pinned_by_caller,
 )
@@ -546,7 +547,8 @@ class SharedLeaseStrategy(LeaseStrategy):
     # -- release, extend, inspect ----------------------------------------------
 
     def release(self, req: Request) -> bool:
-        caller = pinned_by_caller(req)
+        pinned = bool(PINNED) and (req.alias, req.row, req.token) in PINNED
+        caller = pinned_by_caller(req) if pinned else None
         if caller is not None:
             # The caller's open transaction share-locks the key's row (a guard
             # inside it): the release is part of that transaction, and again

@@ -327,7 +327,9 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
-        caller = pinned_by_caller(req)
+        # (a pin of this row anywhere, first: the usual release asks no more)
+        pinned = bool(PINNED) and (req.alias, req.row, req.token) in PINNED
+        caller = pinned_by_caller(req) if pinned else None
         if caller is not None:  # the caller's open transaction share-locks the row
             with contextlib.suppress(CallerGone):  # (gone: the usual way below)
                 return _release_after_transaction(caller, req, self._release_on_for(req))
@@ -370,7 +372,8 @@ class LeaseStrategy:
         return bool(execute(connection, sql, [req.row, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
-        caller = pinned_by_caller(req)
+        pinned = bool(PINNED) and (req.alias, req.row, req.token) in PINNED
+        caller = pinned_by_caller(req) if pinned else None
         if caller is not None:
             # The caller's open transaction share-locks the row: the new
             # expiry is part of that transaction (a rollback undoes it).
@@ -403,10 +406,21 @@ class LeaseStrategy:
         )
         returning = f" RETURNING 1{FAST_COMMIT}" if fast else ""
         # A lease that has run out is not revived, even if nobody took it.
-        sql = (
-            f"UPDATE {TABLE} SET expire_at = {now_plus} "
-            f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
-        )
+        if connection.vendor == "postgresql":
+            # Judged once the row is ours (clock_timestamp, after the locking
+            # subquery): a renewal that waited for the row, held by another
+            # session, past the lease's end finds it ended. Judged when the
+            # statement began, it would bring back a lease whose holder was
+            # already told it lost it.
+            sql = (
+                f"UPDATE {TABLE} SET expire_at = {now_plus} WHERE id = (SELECT id FROM {TABLE} "
+                "WHERE name = %s AND token = %s FOR UPDATE) AND expire_at > clock_timestamp()"
+            )
+        else:
+            sql = (
+                f"UPDATE {TABLE} SET expire_at = {now_plus} "
+                f"WHERE name = %s AND token = %s AND {dbclock.live_row_sql(connection)}"
+            )
         return bool(execute(connection, sql + returning, [ttl, req.row, req.token])[1])
 
     def release_after(self, req: Request, min_hold: float) -> bool:
