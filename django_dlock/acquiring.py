@@ -36,7 +36,7 @@ from django_dlock.keys import Key
 from django_dlock.options import Options
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import Abandoned, statement_deadline
+from django_dlock.strategies.connection import Abandoned, began, statement_deadline
 
 __all__ = ["Attempt", "reenter"]
 
@@ -133,10 +133,10 @@ class Attempt:
         renewal = Renewal(opts.ttl, opts.max_hold) if opts.renew else None
         now = time.monotonic()
         wait = now - self.deadline.start  # (deadline.elapsed(), inline)
-        if grant.sent_at is not None:
-            sent_at = grant.sent_at
-        elif not strategy.leased:
+        if not strategy.leased:
             sent_at = now
+        else:  # (SQLite: when the granting statement got the write lock, if later)
+            sent_at = began(sent_at if grant.sent_at is None else grant.sent_at)
         holdings.take(self.holder, made, sent_at=sent_at, wait=wait, renewal=renewal)
         self.taken.append(req.key)
 

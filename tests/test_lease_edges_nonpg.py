@@ -5,6 +5,7 @@ rolls back."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from django.db import IntegrityError, connections, transaction
@@ -178,3 +179,52 @@ def test_a_ticket_renewal_on_a_locked_sqlite_database_never_puts_the_ticket_back
     with connections["sqlite"].cursor() as cur:
         cur.execute("SELECT id, name FROM django_dlock_waiter")
         assert cur.fetchall() == [(ticket, "lock:renewed")]
+
+
+@pytest.mark.django_db(transaction=True, databases=["sqlite"])
+@pytest.mark.parametrize("timeout", [10, None], ids=["timeout", "forever"])
+def test_a_sqlite_lease_taken_after_waiting_for_another_writer_is_counted_from_then(timeout):
+    """Another connection keeps SQLite's write lock (a writer paused inside
+    its transaction) for longer than the lease: the acquire of a free key
+    waits for it here, and its lease starts when its statement got the
+    write lock. Counted from when the statement was first sent, the lease
+    would look run out at once: the renewer would report it lost while the
+    database holds it."""
+    ttl = 1.0
+    losses: list[dlock.LockLost] = []
+    writer = connections["sqlite"].copy()
+    writer.ensure_connection()
+    raw = writer.connection
+    raw.execute("BEGIN IMMEDIATE")  # SQLite's one write lock
+    result: dict[str, object] = {}
+    granted, checked = threading.Event(), threading.Event()
+
+    def take() -> None:
+        try:
+            lk = dlock.lock(
+                "paused-writer", using="sqlite", ttl=ttl, renew=True, on_lost=losses.append
+            )
+            result["got"] = lk.acquire(timeout=timeout)
+            granted.set()
+            checked.wait(30)
+            result["lost"] = lk.lost
+            lk.release()  # LockLost if it was reported lost
+            result["released"] = True
+        finally:
+            granted.set()
+            connections.close_all()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        time.sleep(ttl + 0.5)  # the acquire waits for the write lock meanwhile
+        assert not granted.is_set()
+    finally:
+        raw.execute("ROLLBACK")
+        writer.close()
+    assert granted.wait(30)
+    time.sleep(ttl / 2)  # past its first renewal, before its lease could end
+    checked.set()
+    thread.join(30)
+    assert result == {"got": True, "lost": False, "released": True}
+    assert losses == []

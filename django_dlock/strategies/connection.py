@@ -80,6 +80,7 @@ __all__ = [
     "DIRECT_GRACE",
     "LONGEST_WAIT",
     "STATEMENT_FLOOR",
+    "began",
     "Abandoned",
     "LockWaitEnded",
     "behind_pooler",
@@ -135,6 +136,24 @@ DIRECT_GRACE = 0.5
 LONGEST_WAIT = 3600.0
 
 _deadline: ContextVar[float | None] = ContextVar("django_dlock_statement_deadline", default=None)
+
+#: when the last statement that takes a lock on SQLite began to run, after
+#: waiting here for another writer (see :func:`began`)
+_sqlite_began: ContextVar[float] = ContextVar("django_dlock_sqlite_began", default=0.0)
+
+
+def began(sent_at: float) -> float:
+    """When a lock statement of this thread, sent at ``sent_at``, began to run.
+
+    A server stamps a lease with the time its statement began
+    (PostgreSQL's ``statement_timestamp()``, MySQL's ``NOW()``): at or after
+    it was sent, also when it then waited for a row. SQLite runs in this
+    process, and a statement that waits for another writer waits here,
+    before it begins: its lease starts when it got the write lock, maybe
+    long after it was sent (a writer paused inside its transaction), and a
+    lease counted from ``sent_at`` would look run out at once.
+    """
+    return max(sent_at, _sqlite_began.get())
 
 
 class statement_deadline:  # noqa: N801 (used like a function: ``with statement_deadline(...)``)
@@ -853,8 +872,11 @@ def execute(
         except Abandoned:
             connection.close()
             raise
-    if connection.vendor == "sqlite" and deadline_end() is not None:
-        return _sqlite_within_deadline(connection, sql, params, takes_lock)
+    if connection.vendor == "sqlite" and not connection.in_atomic_block:
+        if takes_lock:
+            return _sqlite_take(connection, sql, params)
+        if deadline_end() is not None:
+            return _sqlite_within_deadline(connection, sql, params)
     with cursor(connection) as cur:
         if not (
             takes_lock
@@ -998,26 +1020,19 @@ def _behind_pooler(connection: BaseDatabaseWrapper) -> bool:
 
 
 def _sqlite_within_deadline(
-    connection: BaseDatabaseWrapper, sql: str, params: Params, takes_lock: bool
+    connection: BaseDatabaseWrapper, sql: str, params: Params
 ) -> tuple[Any, int]:
-    """A statement of an acquire on SQLite: another writer is contention, not an outage.
+    """A statement of an acquire on SQLite (not the one that takes the lock:
+    :func:`_sqlite_take`): another writer is contention, not an outage.
 
     SQLite lets one connection write at a time; another one waits up to its
     busy timeout (the ``timeout`` option, 5 s by default) and then fails with
     "database is locked". While a lock is being acquired, the statement
-    waits at most until the lock's deadline. For the statement that takes
-    the lock (``takes_lock``), a database that stays locked means "not
-    acquired this round" (no row): the waiter looks again within its
-    timeout, and times out as usual. Any other statement of the acquire (a
-    waiter's ticket, its renewal) has no such answer: a database locked past
-    the deadline gives the acquire up (:class:`Abandoned`, a timeout),
-    never a made-up "no row" (a renewal that read it as "the ticket is
-    gone" put the ticket back under its own number, an ``IntegrityError``).
+    waits at most until the lock's deadline, and a database that stays
+    locked past it gives the acquire up (:class:`Abandoned`, a timeout),
+    never a made-up "no row" (a ticket's renewal that read it as "the ticket
+    is gone" put the ticket back under its own number, an ``IntegrityError``).
     """
-    if connection.in_atomic_block:  # the caller's transaction: its own busy handling
-        with cursor(connection) as cur:
-            cur.execute(sql, params)
-            return (cur.fetchone() if cur.description else None), cur.rowcount
     end = deadline_end()
     assert end is not None
     connection.ensure_connection()
@@ -1034,11 +1049,61 @@ def _sqlite_within_deadline(
     except OperationalError as exc:
         if "locked" not in str(exc) and "busy" not in str(exc):
             raise
-        if takes_lock:
-            return None, 0
         raise Abandoned(
             "the SQLite database stayed locked by another writer until the lock's deadline"
         ) from exc
+    finally:
+        if connection.connection is raw:
+            raw.execute(f"PRAGMA busy_timeout = {int(saved)}")
+
+
+#: the longest pause between two tries of a SQLite statement that takes a lock
+_SQLITE_PAUSE = 0.02
+
+
+def _sqlite_take(connection: BaseDatabaseWrapper, sql: str, params: Params) -> tuple[Any, int]:
+    """The statement that takes a lock on SQLite, outside the caller's transaction.
+
+    Another writer is contention, not an outage: the statement is tried
+    again (SQLite's busy timeout at 0, short pauses here) until the
+    database's busy timeout, or within an acquire until its deadline (at
+    least :data:`STATEMENT_FLOOR`: a try-once on a free key outlasts
+    another writer's short commit); a database that stays locked means "not
+    acquired this round" (no row) within an acquire's deadline, and the
+    driver's error without one. The try that ran is noted (:func:`began`):
+    the lease it wrote starts then, not when the first try was sent.
+    """
+    end = deadline_end()
+    connection.ensure_connection()
+    raw = connection.connection
+    (saved,) = raw.execute("PRAGMA busy_timeout").fetchone()
+    now = time.monotonic()
+    wait = int(saved) / 1000
+    if end is not None:
+        wait = min(wait, max(end - now, STATEMENT_FLOOR))
+    until = now + wait
+    pause = 0.001
+    raw.execute("PRAGMA busy_timeout = 0")
+    try:
+        while True:
+            start = time.monotonic()
+            try:
+                with cursor(connection) as cur:
+                    cur.execute(sql, params)
+                    result = (cur.fetchone() if cur.description else None), cur.rowcount
+            except OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                left = until - time.monotonic()
+                if left <= 0:
+                    if end is None:
+                        raise
+                    return None, 0
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _SQLITE_PAUSE)
+                continue
+            _sqlite_began.set(start)
+            return result
     finally:
         if connection.connection is raw:
             raw.execute(f"PRAGMA busy_timeout = {int(saved)}")
