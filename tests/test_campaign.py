@@ -21,13 +21,6 @@ from . import campaign, pgcluster
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="extend() inside the holder's own outer transaction waits on the row its guard "
-    "pinned: the renewal behind it commits after the holder was told the lock was lost "
-    "(false losses); guard() raises raw driver errors when its session is gone (the "
-    "combined BEGIN, its transaction's exit while the server is down)",
-)
 @pytest.mark.skipif(pgcluster.available() is not None, reason=str(pgcluster.available()))
 def test_campaign_on_a_private_postgresql_cluster(tmp_path):
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "DLOCK_TEST_CHILD": "1"}
