@@ -67,19 +67,7 @@ class Command(DlockCommand):
         if lease is None and not advisory and (user_lock is None or user_lock[1] is None):
             raise no_such_lock(name, using)
         if lease is not None:
-            acquired = lease.acquired_at
-            fields = [
-                ("name", lease.name),
-                ("state", lease.state),
-                ("owner", lease.owner or "-"),
-                ("fence", str(lease.fence)),
-                ("token", lease.token_prefix or "-"),
-                ("acquired at", "-" if acquired is None else acquired.isoformat()),
-                ("expires at", lease.expire_at.isoformat()),
-                ("expires", seconds_text(lease)),
-            ]
-            for label, value in fields:
-                self._field(label, value)
+            self._lease(lease)
             self._readers(using, lease.name)
             self._waiters(using, lease.name)
         if key is not None:
@@ -122,10 +110,17 @@ class Command(DlockCommand):
         lease = None if match is None else override.find_lease(using, name)
         if match is None or lease is None:
             return False
+        self._lease(lease, permit_of=f"{match.group(1)} (permit {match.group(2)})")
+        self._waiters(using, match.group(1))
+        return True
+
+    def _lease(self, lease: override.Lease, permit_of: str | None = None) -> None:
+        """A lease row's fields (a semaphore's permit row: which permit of which)."""
         acquired = lease.acquired_at
-        fields = [
-            ("name", lease.name),
-            ("permit of", f"{match.group(1)} (permit {match.group(2)})"),
+        fields = [("name", lease.name)]
+        if permit_of is not None:
+            fields.append(("permit of", permit_of))
+        fields += [
             ("state", lease.state),
             ("owner", lease.owner or "-"),
             ("fence", str(lease.fence)),
@@ -136,8 +131,6 @@ class Command(DlockCommand):
         ]
         for label, value in fields:
             self._field(label, value)
-        self._waiters(using, match.group(1))
-        return True
 
     def _readers(self, using: str, name: str) -> None:
         """A read-write lock's live readers (their rows), if any hold it."""
