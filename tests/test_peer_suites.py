@@ -1147,28 +1147,39 @@ def test_pglock_error_inside_the_locks_transaction(strategy):
 
 @pytest.mark.parametrize("strategy", ["advisory_xact", "row"])
 def test_pglock_lease_calls_after_a_rolled_back_lock_transaction(strategy):
-    """After ``test_advisory_inside_transaction``'s sequence (a transaction-scoped
-    lock whose transaction an error rolled back), lock calls of any strategy
-    on the same connection keep working."""
+    """``test_advisory_inside_transaction``'s sequence on a connection that has
+    already run lease calls: a transaction-scoped lock whose transaction an
+    error rolled back, three times. Lock calls of any strategy on the same
+    connection keep working afterwards."""
+
+    def lease_calls(tag: str) -> list[bool]:
+        done = []
+        for n in range(6):
+            lk = dlock.lock(f"pg-seq-lease:{n % 2}", ttl=30)
+            done.append(lk.acquire(timeout=5))
+            lk.extend(20)
+            done.append(lk.owned())
+            lk.release()
+            done.append(not lk.locked())
+        return done
 
     def sequence() -> list[bool]:
         users().using("default").get_or_create(username="hello")
-        with (
-            pytest.raises(IntegrityError),
-            transaction.atomic(),
-            dlock.lock("pg-seq", strategy=strategy),
-        ):
-            users().create(username="hello")
-        results = []
-        for n in range(6):
-            lk = dlock.lock(f"pg-seq-lease:{n % 2}", ttl=30)
-            results.append(lk.acquire(timeout=5))
-            lk.release()
+        results = lease_calls("before")
+        for _ in range(3):
+            with (
+                pytest.raises(IntegrityError),
+                transaction.atomic(),
+                dlock.lock("pg-seq", strategy=strategy),
+            ):
+                assert dlock.lock("pg-seq-other", strategy=strategy).acquire(timeout=5)
+                users().create(username="hello")
+        results += lease_calls("after")
         with transaction.atomic():
             results.append(dlock.lock("pg-seq", strategy=strategy).acquire(timeout=5))
         return results
 
-    assert in_thread(sequence) == [True] * 7
+    assert in_thread(sequence) == [True] * 37
 
 
 def test_pglock_advisory_xact():
