@@ -49,6 +49,8 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqli
 
 LOAD_THREADS = 4
 LOAD_BOUND = 600.0  # seconds: the load stops by itself after this, whatever happens
+#: seconds each load thread rests between two acquire/release cycles (0: back to back)
+LOAD_PAUSE = float(os.environ.get("DLOCK_PEER_LOAD_PAUSE", "0"))
 
 _CPU_BUSY = (
     f"import time\nend = time.monotonic() + {LOAD_BOUND}\nwhile time.monotonic() < end:\n    pass\n"
@@ -92,6 +94,8 @@ class Load:
                     lk.release()
                 self.rounds += 1
                 i += 1
+                if LOAD_PAUSE:
+                    self.stopping.wait(LOAD_PAUSE)
         except BaseException as exc:
             self.errors.append(exc)
         finally:
