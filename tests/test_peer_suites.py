@@ -6,7 +6,7 @@ advisory_xact and row where the peer is django-pglock; LeaderElection for
 client-go).
 
 Our own tests written from the peers' behaviours, not their code. Where we
-deliberately differ (docs/coming-from.md), the test asserts our documented
+deliberately differ (the "Coming from another library" page), the test asserts our documented
 behaviour and its docstring names the difference.
 
 Every test runs twice: quietly, and (marked ``slow``) while background load
