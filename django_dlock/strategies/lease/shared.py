@@ -67,6 +67,7 @@ from django_dlock.strategies.connection import (
 from django_dlock.strategies.lease.pins import (
     PINNED,
     CallerGone,
+    in_caller_transaction,
     pinned_by_caller,
 )
 from django_dlock.strategies.lease.sql import (
@@ -551,12 +552,12 @@ class SharedLeaseStrategy(LeaseStrategy):
         caller = pinned_by_caller(req) if pinned else None
         if caller is not None:
             # The caller's open transaction share-locks the key's row (a guard
-            # inside it): the release is part of that transaction, and again
-            # after it if it rolls back (the reader's lease of the same fence).
-            with contextlib.suppress(CallerGone):
-                return _release_after_transaction(
-                    caller, req, self.release_on, self._release_fenced
-                )
+            # inside it): the release is part of that transaction, and a
+            # rollback undoes it (the read lease then runs out on its own: a
+            # second release could not tell this reader's lease from the same
+            # holder's next one on PostgreSQL, which matches no fence).
+            with contextlib.suppress(CallerGone), in_caller_transaction(caller):
+                return self.release_on(caller, req)
         connection = lock_connection(req.alias)
         if connection.in_atomic_block:  # SQLite: the caller's transaction has written
             return _release_after_transaction(
