@@ -9,8 +9,9 @@ Our own tests written from the peers' behaviours, not their code. Where we
 deliberately differ (the "Coming from another library" page), the test asserts our documented
 behaviour and its docstring names the difference.
 
-Every test runs twice: quietly, and (marked ``slow``) while background load
-runs against the test's database: threads that acquire and release other
+Every test runs twice: quietly here, and (marked ``slow``) in
+tests/test_peer_suites_loaded.py while background load runs against the
+test's database: threads that acquire and release other
 keys, and a process that keeps a CPU busy. The load is bounded and stopped
 at the end of each test; an error it meets fails the test. On SQLite each
 load thread rests a little between its locks (``SQLITE_LOAD_PAUSE``): SQLite
@@ -123,13 +124,9 @@ class Load:
             raise self.errors[0]
 
 
-@pytest.fixture(
-    params=["quiet", pytest.param("load", marks=pytest.mark.slow)], ids=["quiet", "load"]
-)
-def load(request: pytest.FixtureRequest) -> Iterator[Load | None]:
-    if request.param == "quiet":
-        yield None
-        return
+def under_load(request: pytest.FixtureRequest) -> Iterator[Load]:
+    """Background load on the test's database while the test runs (the
+    ``load`` fixture of tests/test_peer_suites_loaded.py)."""
     # set up after the test databases and stopped before they are flushed
     request.getfixturevalue("transactional_db")
     callspec = getattr(request.node, "callspec", None)
@@ -142,6 +139,13 @@ def load(request: pytest.FixtureRequest) -> Iterator[Load | None]:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def load() -> Load | None:
+    """No load here: tests/test_peer_suites_loaded.py runs the same tests
+    under load (a module of its own, so that the two run side by side)."""
+    return None
 
 
 @pytest.fixture(autouse=True)
