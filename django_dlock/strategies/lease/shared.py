@@ -64,12 +64,7 @@ from django_dlock.strategies.connection import (
     lock_connection,
     with_reconnect,
 )
-from django_dlock.strategies.lease.pins import (
-    PINNED,
-    CallerGone,
-    in_caller_transaction,
-    pinned_by_caller,
-)
+from django_dlock.strategies.lease.pins import CallerGone, in_caller_transaction
 from django_dlock.strategies.lease.sql import (
     _FENCE,
     FAST_COMMIT,
@@ -78,7 +73,11 @@ from django_dlock.strategies.lease.sql import (
     WAITERS,
     read,
 )
-from django_dlock.strategies.lease.strategy import LeaseStrategy, _release_after_transaction
+from django_dlock.strategies.lease.strategy import (
+    LeaseStrategy,
+    _release_after_transaction,
+    caller_pin,
+)
 from django_dlock.strategies.lease.waiting import Look
 from django_dlock.tables import FENCE_FLOOR_TABLE
 
@@ -548,8 +547,7 @@ class SharedLeaseStrategy(LeaseStrategy):
     # -- release, extend, inspect ----------------------------------------------
 
     def release(self, req: Request) -> bool:
-        pinned = bool(PINNED) and (req.alias, req.row, req.token) in PINNED
-        caller = pinned_by_caller(req) if pinned else None
+        caller = caller_pin(req)
         if caller is not None:
             # The caller's open transaction share-locks the key's row (a guard
             # inside it): the release is part of that transaction, and a

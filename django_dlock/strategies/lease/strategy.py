@@ -67,6 +67,16 @@ logger = logging.getLogger("django_dlock")
 _AFTER_TRANSACTION_POLL = 0.05
 
 
+def caller_pin(req: Request) -> BaseDatabaseWrapper | None:
+    """The calling thread's connection when its open transaction pinned
+    ``req``'s lease row (see :func:`~django_dlock.strategies.lease.pins.pinned_by_caller`),
+    asked only when the row is pinned somewhere: the usual release and
+    extend look no further than the (empty) table of pins."""
+    if PINNED and (req.alias, req.row, req.token) in PINNED:
+        return pinned_by_caller(req)
+    return None
+
+
 def _release_after_transaction(
     caller: BaseDatabaseWrapper,
     req: Request,
@@ -327,9 +337,7 @@ class LeaseStrategy:
     # -- release, extend, inspect ---------------------------------------------
 
     def release(self, req: Request) -> bool:
-        # (a pin of this row anywhere, first: the usual release asks no more)
-        pinned = bool(PINNED) and (req.alias, req.row, req.token) in PINNED
-        caller = pinned_by_caller(req) if pinned else None
+        caller = caller_pin(req)
         if caller is not None:  # the caller's open transaction share-locks the row
             with contextlib.suppress(CallerGone):  # (gone: the usual way below)
                 return _release_after_transaction(caller, req, self._release_on_for(req))
@@ -372,8 +380,7 @@ class LeaseStrategy:
         return bool(execute(connection, sql, [req.row, req.token])[1])
 
     def extend(self, req: Request, ttl: float) -> bool:
-        pinned = bool(PINNED) and (req.alias, req.row, req.token) in PINNED
-        caller = pinned_by_caller(req) if pinned else None
+        caller = caller_pin(req)
         if caller is not None:
             # The caller's open transaction share-locks the row: the new
             # expiry is part of that transaction (a rollback undoes it).
