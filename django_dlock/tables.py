@@ -8,7 +8,7 @@ statement take the names from here, so a name is written once.
 
 from __future__ import annotations
 
-__all__ = ["FENCE_FLOOR_TABLE", "FENCE_SEQUENCE", "LOCK_TABLE", "WAITER_TABLE"]
+__all__ = ["FENCE_ERA_TABLE", "FENCE_FLOOR_TABLE", "FENCE_SEQUENCE", "LOCK_TABLE", "WAITER_TABLE"]
 
 #: one row per lease (:class:`django_dlock.models.Lock`)
 LOCK_TABLE = "django_dlock_lock"
@@ -18,3 +18,6 @@ WAITER_TABLE = "django_dlock_waiter"
 FENCE_FLOOR_TABLE = "django_dlock_fencefloor"
 #: PostgreSQL's sequence of fencing numbers (made by a migration)
 FENCE_SEQUENCE = "django_dlock_fence"
+#: PostgreSQL's one-row table naming the timeline on which the fence sequence
+#: was last raised (made by a migration; see django_dlock.strategies.fence)
+FENCE_ERA_TABLE = "django_dlock_fence_era"

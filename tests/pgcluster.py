@@ -175,6 +175,7 @@ class PrivateCluster:
             slot,
             "-X",
             "stream",
+            "--checkpoint=fast",  # not spread over minutes: the tests wait for it
             "--no-sync",
         )
         standby.start()

@@ -22,6 +22,10 @@ not change, its connections drop and reconnect.
 * A leader whose leadership was lost with the old primary stops, and leads
   again in a higher term.
 * ``advisory_xact`` and ``row`` locks end with their transaction.
+* Fencing numbers never repeat or go backwards: after three promotions in a
+  row, each standby having missed the old primary's last WAL, and after a
+  standby that never followed the newest timeline is promoted and gives its
+  timeline an ID already used.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ pytestmark = [
 SYNC, ASYNC, LEADER = "failover_sync", "failover_async", "failover_leader"
 PLANNED = "failover_planned"
 XACT = "failover_xact"
+CHAIN, REUSE = "failover_chain", "failover_reuse"
 DATABASE = "dlock_failover"
 
 
@@ -138,6 +143,61 @@ def planned_pair(django_db_blocker):
 def xact_pair(django_db_blocker):
     with _pair(XACT, True, django_db_blocker) as pair:
         yield pair
+
+
+class Chain:
+    """A primary behind a switch, and every cluster made from it (destroyed together)."""
+
+    def __init__(self) -> None:
+        self.primary = PrivateCluster(fsync="off").create()
+        self.clusters = [self.primary]
+        self.switch = Switch(self.primary.port)
+
+    def standby(self, slot: str) -> PrivateCluster:
+        """A new standby of the primary, caught up, then cut off: it never gets
+        what the primary writes from here on."""
+        standby = self.primary.standby(slot)
+        self.clusters.append(standby)
+        self.primary.caught_up(standby)
+        standby.cut_off()
+        return standby
+
+    def promote(self, standby: PrivateCluster) -> None:
+        """Kill the primary, promote ``standby``, move the switch to it."""
+        self.primary.kill()
+        standby.promote()
+        self.switch.point_to(standby.port)
+        self.primary = standby
+
+    def destroy(self) -> None:
+        self.switch.close()
+        for cluster in self.clusters:
+            cluster.destroy()
+
+
+@contextlib.contextmanager
+def _chain(alias: str, django_db_blocker: Any) -> Iterator[Chain]:
+    chain = Chain()
+    try:
+        with (
+            django_db_blocker.unblock(),
+            chain.primary.attached(alias, DATABASE, chain.switch.port),
+        ):
+            yield chain
+    finally:
+        chain.destroy()
+
+
+@pytest.fixture(scope="module")
+def chain(django_db_blocker):
+    with _chain(CHAIN, django_db_blocker) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def reuse_chain(django_db_blocker):
+    with _chain(REUSE, django_db_blocker) as made:
+        yield made
 
 
 @pytest.fixture
@@ -286,7 +346,7 @@ def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_
     import psycopg
 
     on_standby = _session(pair.new_primary)
-    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+    with pytest.raises(psycopg.Error, match="recovery is in progress"):
         _fence_on(on_standby)
 
     pair.fail_over()
@@ -464,3 +524,69 @@ def test_transaction_scoped_locks_end_with_the_transaction(xact_pair):
 
     for strategy in strategies:
         assert in_thread(take, strategy), strategy
+
+
+class Fences:
+    """Every fencing number issued, per key and in order, through one alias."""
+
+    def __init__(self, alias: str, keys: int = 100) -> None:
+        self.alias = alias
+        self.keys = [f"fence:{i}" for i in range(keys)]
+        self.issued: list[int] = []
+        self.per_key: dict[str, list[int]] = {key: [] for key in self.keys}
+
+    def round(self) -> list[int]:
+        """Every key taken and released once; the numbers, each checked against
+        every number issued before (not repeated, not lower)."""
+        before = max(self.issued, default=0)
+        numbers = []
+        for key in self.keys:
+            lk = dlock.lock(key, using=self.alias, ttl=300)
+            assert lk.acquire(timeout=0)
+            assert isinstance(lk.fence, int)
+            numbers.append(lk.fence)
+            self.per_key[key].append(lk.fence)
+            lk.release()
+        repeated = sorted(set(numbers) & set(self.issued))
+        lower = [n for n in numbers if n <= before]
+        assert not repeated and not lower, (
+            f"{len(lower)} of {len(numbers)} numbers at or below the highest issued before "
+            f"({before}); issued again: {repeated[:10]}"
+        )
+        self.issued.extend(numbers)
+        return numbers
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", CHAIN])
+def test_three_promotions_each_missing_the_last_wal_never_repeat_a_fence(chain):
+    fences = Fences(CHAIN)
+    fences.round()
+    for promotion in range(1, 4):
+        standby = chain.standby(f"chain{promotion}")
+        # More than one batch of the fence sequence (32 numbers) that the
+        # standby never receives, and every key's row newer than its copy.
+        fences.round()
+        chain.promote(standby)
+        assert standby.timeline() == promotion + 1
+        fences.round()
+    for key, numbers in fences.per_key.items():
+        assert numbers == sorted(set(numbers)), (key, numbers)
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", REUSE])
+def test_a_timeline_id_used_twice_never_repeats_a_fence(reuse_chain):
+    """Two switchovers in quick succession: the second standby promoted never
+    followed the first one's timeline, and names its own with the same ID."""
+    fences = Fences(REUSE)
+    fences.round()
+    first = reuse_chain.standby("reuse1")
+    second = reuse_chain.standby("reuse2")
+    fences.round()  # neither standby gets these
+    reuse_chain.promote(first)
+    assert first.timeline() == 2
+    fences.round()
+    reuse_chain.promote(second)  # it never saw timeline 2
+    assert second.timeline() == 2
+    fences.round()
+    for key, numbers in fences.per_key.items():
+        assert numbers == sorted(set(numbers)), (key, numbers)

@@ -139,13 +139,14 @@ def test_the_models_and_the_sql_take_their_table_names_from_one_module():
     assert models.FenceFloor._meta.db_table == tables.FENCE_FLOOR_TABLE
     assert lease.TABLE == row.TABLE == queue.LOCKS == cleanup.TABLE == tables.LOCK_TABLE
     assert lease.WAITERS == queue.WAITERS == cleanup.WAITERS == tables.WAITER_TABLE
-    # the functions of migrations 0009 and 0010 (a migration keeps its SQL as written)
+    # the functions of migrations 0009 and 0011 (a migration keeps its SQL as written)
     functions = importlib.import_module("django_dlock.migrations.0009_acquire_functions")
     ahead, _ = functions.CREATE
     assert f"FROM {tables.WAITER_TABLE} w" in ahead
-    next_fence = importlib.import_module("django_dlock.migrations.0010_fence_epoch_per_session")
+    next_fence = importlib.import_module("django_dlock.migrations.0011_fence_era")
     assert f"nextval('{tables.FENCE_SEQUENCE}')" in next_fence.CREATE
-    assert f"<< {fence.TIMELINE_SHIFT};" in next_fence.CREATE
-    assert f"set_config('{fence.ABOVE_EPOCH}', 'on', false)" in next_fence.CREATE
+    assert f"CREATE TABLE IF NOT EXISTS {tables.FENCE_ERA_TABLE} (" in next_fence.TABLE
+    assert f"FROM {tables.FENCE_ERA_TABLE} WHERE id = 1" in next_fence.CREATE
+    assert f"set_config('{fence.ERA_SEEN}', 'on', false)" in next_fence.CREATE
     assert f"nextval('{tables.FENCE_SEQUENCE}')" in fence.NEXT_FENCE
     assert "django_dlock_next_fence()" in fence.NEXT_FENCE

@@ -62,15 +62,13 @@ RETURNING fence
 
 
 #: the fencing number as one expression, its subquery in the statement (the
-#: logic of the function ``django_dlock_next_fence``)
+#: logic of the function ``django_dlock_next_fence`` for a session on the
+#: recorded timeline: a look at the era table, then ``nextval``)
 SUBQUERY_FENCE = (
-    "(SELECT CASE WHEN n.v >= n.epoch THEN n.v "
-    "WHEN has_sequence_privilege('django_dlock_fence', 'UPDATE') "
-    "THEN setval('django_dlock_fence', n.epoch + n.v) "
-    "ELSE n.epoch + n.v END "
-    "FROM (SELECT nextval('django_dlock_fence') AS v, "
-    "(('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint - 1) "
-    "<< 44 AS epoch) AS n)"
+    "(SELECT CASE WHEN e.timeline = "
+    "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint "
+    "THEN nextval('django_dlock_fence') ELSE django_dlock_next_fence() END "
+    "FROM django_dlock_fence_era e WHERE e.id = 1)"
 )
 
 
@@ -120,7 +118,7 @@ def every_number_acquire() -> str:
 
 def no_epoch_acquire() -> str:
     """Our acquire with a plain ``nextval`` for its fencing number: without the
-    timeline epoch that keeps numbers increasing across a fail-over."""
+    fail-over check that keeps numbers increasing across a fail-over."""
     from django_dlock.tables import FENCE_SEQUENCE
 
     return acquire_with_fence(f"nextval('{FENCE_SEQUENCE}')")

@@ -18,7 +18,7 @@ form they had before migration 0009 (the "live ticket ahead?" check and the
 fencing number as subqueries, :func:`tests.benchmarks.lease_parts.subquery_acquire`),
 ours as before migration 0010 (the fencing number's function called at every
 number, :func:`tests.benchmarks.lease_parts.every_number_acquire`),
-ours without the fencing number's timeline epoch, without the queue parts
+ours without the fencing number's fail-over check, without the queue parts
 (:data:`tests.benchmarks.lease_parts.NO_QUEUE_ACQUIRE` and its release), and
 that with the floor's DELETE as the release.
 
@@ -93,7 +93,7 @@ def contenders() -> dict[str, Contender]:
             ours_release,
             release,
         ),
-        "ours, the fencing number without its timeline epoch": (
+        "ours, the fencing number without its fail-over check": (
             lease_parts.no_epoch_acquire(),
             ours,
             ours_release,

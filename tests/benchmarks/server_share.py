@@ -8,7 +8,7 @@ does: the floor's two statements
 ours (the statements the lock sends), ours in the form they had before
 migration 0009 (the "live ticket ahead?" check and the fencing number as
 subqueries, not functions), ours with a plain ``nextval`` for the
-fencing number (without the timeline epoch that keeps numbers increasing
+fencing number (without the fail-over check that keeps numbers increasing
 across a fail-over), ours without their queue parts
 (:data:`tests.benchmarks.lease_parts.NO_QUEUE_ACQUIRE` and its release), and
 that again with the floor's DELETE as the release. Contenders run in turn,
@@ -76,7 +76,7 @@ def scripts() -> dict[str, str]:
             lease_parts.subquery_acquire(), [*acquire, newcomer, newcomer]
         )
         + script(PG_RELEASE_SQL[True], [NAME, TOKEN, NAME]),
-        "our statements, the fencing number without its timeline epoch": script(
+        "our statements, the fencing number without its fail-over check": script(
             lease_parts.no_epoch_acquire(),
             [*acquire, newcomer, newcomer],
         )

@@ -19,8 +19,8 @@ Fencing numbers: on PostgreSQL every acquisition takes
 strictly greater than every number issued before for that key.
 ``dlock_cleanup`` raises the sequence above every number it deletes. After
 a fail-over (a promoted standby: a new timeline) the sequence first jumps to
-``(timeline - 1) * 2**44``, so numbers a standby never received are not
-issued again (see :mod:`django_dlock.strategies.fence`).
+the server's clock in microseconds, so numbers a standby never received are
+not issued again (see :mod:`django_dlock.strategies.fence`).
 
 Durability (PostgreSQL): by default each lease write waits for its WAL
 flush, like any commit. With ``DLOCK_LEASE_SYNCHRONOUS_COMMIT = False`` lease
