@@ -9,6 +9,11 @@ name, with real processes:
    **sessions** (PostgreSQL ``advisory``): whether a pooler in between shares
    one server session among clients (transaction mode), which would let one
    client's lock be another's;
+   **replication** (PostgreSQL): whether the standbys streaming from this
+   server are synchronous. With asynchronous replication a fail-over can
+   lose the last lease writes, and fencing numbers stay increasing across a
+   promotion only while the members' clocks agree; a standby whose clock
+   is seen to differ is named;
 2. **wake-ups** (PostgreSQL): whether waiters can be woken by ``NOTIFY``
    (a transaction-mode pooler cannot deliver it: waiters then poll);
 3. **mutual exclusion**: N processes take one key for S seconds, each doing
@@ -95,6 +100,9 @@ def selfcheck(alias: str, strategy: str, processes: int, seconds: float) -> list
         verdicts.append(sessions)
         if sessions.result == "FAIL":
             return verdicts
+    replication = _replication(alias)
+    if replication is not None:
+        verdicts.append(replication)
     verdicts.append(_wake_ups(alias, strategy))
     verdicts.extend(_processes(alias, strategy, processes, seconds))
     return verdicts
@@ -158,6 +166,94 @@ def _sessions(alias: str, strategy: str) -> Verdict | None:
             "session mode, or a direct connection",
         )
     return Verdict("sessions", "PASS", "behind a pooler that keeps a session per client")
+
+
+#: seconds a standby's clock may differ from the primary's before it is named
+#: (its reply time is up to ``wal_receiver_status_interval`` old)
+CLOCK_SLACK = 1.0
+
+
+def _replication(alias: str) -> Verdict | None:
+    """PostgreSQL: what a fail-over to one of this server's standbys keeps.
+
+    Reads ``pg_stat_replication`` (every role sees its rows; without
+    ``pg_read_all_stats`` some columns are empty) and the server's
+    ``synchronous_commit``. A standby's ``reply_time`` is its own clock when
+    it last answered: later than the primary's ``now()`` means a clock ahead;
+    older than the reply interval allows means a clock behind (or a standby
+    that stopped answering)."""
+    from django.db import connections
+
+    from django_dlock.strategies.connection import cursor
+
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        return None
+    with cursor(connection) as cur:
+        cur.execute(
+            "SELECT pg_is_in_recovery(), current_setting('synchronous_commit'), "
+            "current_setting('wal_receiver_status_interval')"
+        )
+        in_recovery, commit, interval = cur.fetchone()
+        if in_recovery:
+            return Verdict(
+                "replication", "FAIL", "this server is a standby: locks need the primary"
+            )
+        cur.execute(
+            "SELECT coalesce(application_name, ''), coalesce(sync_state, ''), "
+            "extract(epoch FROM now() - reply_time) FROM pg_stat_replication"
+        )
+        standbys = cur.fetchall()
+    if not standbys:
+        return Verdict(
+            "replication",
+            "PASS",
+            "no standby streams from this server (a managed service's standby may not "
+            "show here: see the high availability page)",
+        )
+    every = len(standbys)
+    synchronous = [name for name, state, _ in standbys if state in ("sync", "quorum")]
+    waits = commit in ("on", "remote_write", "remote_apply")
+    replies = _seconds(interval)  # 0: standbys do not report (no clock to compare)
+    skewed = [
+        f"{name or 'a standby'} ({'ahead' if age < 0 else 'behind'} by at least "
+        f"{-age if age < 0 else age - replies:.1f} s)"
+        for name, _, age in standbys
+        if replies and age is not None and (age < -CLOCK_SLACK or age > replies + CLOCK_SLACK)
+    ]
+    findings = []
+    if not (synchronous and waits):
+        findings.append(
+            f"{every} standby(s), none synchronous for this server's commits "
+            f"(synchronous_commit = {commit}): a fail-over can lose the last lease writes "
+            "(their holders are told at the next renewal), and fencing numbers keep increasing "
+            "across it only while the members' clocks agree to within the fail-over's length. "
+            "Make replication synchronous (Patroni: synchronous_mode) to keep both without "
+            "the clocks"
+        )
+    if skewed:
+        findings.append(
+            "a standby's clock seems to differ from this server's: "
+            + ", ".join(skewed)
+            + " (keep the members' clocks synchronised: NTP or chrony)"
+        )
+    if findings:
+        return Verdict("replication", "WARN", "; ".join(findings))
+    return Verdict(
+        "replication",
+        "PASS",
+        f"{len(synchronous)} of {every} standby(s) synchronous: a fail-over to one keeps every "
+        "lease and fencing number",
+    )
+
+
+def _seconds(setting: str) -> float:
+    """A duration setting as PostgreSQL shows it (``10s``, ``1min``, ``500ms``, ``0``)."""
+    units = {"ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+    for unit in sorted(units, key=len, reverse=True):
+        if setting.endswith(unit) and setting[: -len(unit)].strip().isdigit():
+            return int(setting[: -len(unit)]) * units[unit]
+    return float(setting) if setting.isdigit() else 10.0
 
 
 def _wake_ups(alias: str, strategy: str) -> Verdict:

@@ -40,6 +40,7 @@ from django.db import connections, transaction
 from django.test import override_settings
 
 import django_dlock as dlock
+from django_dlock.selfcheck import _replication
 from django_dlock.signals import lock_lost
 from django_dlock.strategies.fence import NEXT_FENCE
 
@@ -269,6 +270,9 @@ def _raw_sequence(cluster: PrivateCluster) -> int:
 
 @pytest.mark.django_db(transaction=True, databases=["default", SYNC])
 def test_synchronous_replication_loses_no_lease(sync_pair, losses):
+    verdict = _replication(SYNC)
+    assert verdict is not None and verdict.result == "PASS", verdict
+    assert verdict.detail.startswith("1 of 1 standby(s) synchronous"), verdict
     renewed = dlock.lock("sync:renewed", using=SYNC, ttl=20.0, renew=True)
     assert renewed.acquire(timeout=0)
     renewer = renewed._holdings()[0].renewer
@@ -314,6 +318,10 @@ def test_synchronous_replication_loses_no_lease(sync_pair, losses):
 @pytest.mark.django_db(transaction=True, databases=["default", ASYNC])
 def test_asynchronous_replication_loss_is_detected_and_fences_keep_rising(async_pair, losses):
     pair = async_pair
+    # dlock_selfcheck says what asynchronous replication cannot keep
+    verdict = _replication(ASYNC)
+    assert verdict is not None and verdict.result == "WARN", verdict
+    assert "none synchronous" in verdict.detail and "clocks agree" in verdict.detail, verdict
     replicated = dlock.lock("async:replicated", using=ASYNC, ttl=300)
     assert replicated.acquire(timeout=0)
     issued = [replicated.fence]

@@ -30,6 +30,9 @@ def test_selfcheck_passes_on_each_database(alias, monkeypatch):
     for check in ("one lock, here", "wake-ups", "mutual exclusion", "fencing order", "hand-off"):
         assert re.search(rf"^{re.escape(check)} +PASS", out, re.M), out
     assert "WARN" not in out, out
+    # the shared PostgreSQL server has no standby
+    replication = re.search(r"^replication +PASS +no standby streams", out, re.M)
+    assert (replication is not None) == (alias == "default"), out
     found = re.search(r"(\d+) acquisitions by 3 processes, counter (\d+)", out)
     assert found and found.group(1) == found.group(2) and int(found.group(1)) > 0, out
     assert out.rstrip().endswith("dlock_selfcheck passed")
