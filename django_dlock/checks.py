@@ -1,6 +1,7 @@
 """Every system check of django-dlock, registered here (stable IDs, listed in the docs).
 
 * ``dlock.E001``-``E006``: each ``DLOCK_*`` setting has a valid value;
+  ``dlock.W001``: no unknown (misspelt) ``DLOCK_*`` setting;
 * ``dlock.E010``-``E014``, ``W010``-``W011``: the default strategy fits the
   lock database (settings only, never a connection);
 * ``dlock.E020``-``E027``, ``W020``-``W023``: ``DLOCK_MIDDLEWARE_RULES`` and
@@ -19,13 +20,14 @@ refuse them at run time.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
-from django_dlock.conf import DEFAULTS, lock_alias
+from django_dlock.conf import DEFAULTS, KNOWN_SETTINGS, lock_alias
 from django_dlock.validation import (
     bool_error,
     direct_databases_error,
@@ -62,6 +64,29 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return errors
+
+
+@register(Tags.compatibility)
+def check_unknown_settings(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.W001: a ``DLOCK_*`` setting that django-dlock does not read (misspelt?)."""
+    found: list[CheckMessage] = []
+    for name in sorted(dir(settings)):
+        if not name.startswith("DLOCK_") or name in KNOWN_SETTINGS:
+            continue
+        close = difflib.get_close_matches(name, sorted(KNOWN_SETTINGS), n=1, cutoff=0.6)
+        hint = (
+            f"Did you mean {close[0]}?"
+            if close
+            else "See the settings page of django-dlock's documentation for the names it reads."
+        )
+        found.append(
+            Warning(
+                f"{name} is not a django-dlock setting: it is ignored.",
+                hint=hint,
+                id="dlock.W001",
+            )
+        )
+    return found
 
 
 @register(Tags.compatibility)

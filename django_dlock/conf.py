@@ -30,6 +30,7 @@ from django_dlock.validation import (
 
 __all__ = [
     "DEFAULTS",
+    "KNOWN_SETTINGS",
     "UNSET",
     "FromSetting",
     "RetryInterval",
@@ -55,6 +56,17 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_DIRECT_DATABASES": {},
     "DLOCK_ADVISORY_FENCING": False,
     "DLOCK_QUEUE_TICKET_TTL": 6.0,
+}
+
+#: every ``DLOCK_*`` setting django-dlock reads (those of :data:`DEFAULTS` and
+#: those read where they are used); the system check ``dlock.W001`` warns
+#: about any other ``DLOCK_*`` name in the settings (a misspelt one is ignored)
+KNOWN_SETTINGS: frozenset[str] = frozenset(DEFAULTS) | {
+    "DLOCK_HOLDER_INFO",
+    "DLOCK_METRICS",
+    "DLOCK_TRACING",
+    "DLOCK_TRACING_LOCK_NAMES",
+    "DLOCK_QUORUMS",
 }
 
 

@@ -40,3 +40,31 @@ def test_good_values_pass():
         )
         == []
     )
+
+
+def test_w001_a_misspelt_setting_is_named_with_a_did_you_mean():
+    from django_dlock.checks import check_unknown_settings
+
+    with override_settings(DLOCK_DEFAUL_TTL=5, DLOCK_ZZZ=1):
+        found = {str(m.msg): m for m in check_unknown_settings()}
+    assert set(found) == {
+        "DLOCK_DEFAUL_TTL is not a django-dlock setting: it is ignored.",
+        "DLOCK_ZZZ is not a django-dlock setting: it is ignored.",
+    }
+    misspelt = found["DLOCK_DEFAUL_TTL is not a django-dlock setting: it is ignored."]
+    assert misspelt.id == "dlock.W001"
+    assert misspelt.hint == "Did you mean DLOCK_DEFAULT_TTL?"
+
+
+def test_w001_every_documented_setting_is_known():
+    import re
+    from pathlib import Path
+
+    from django_dlock.checks import check_unknown_settings
+    from django_dlock.conf import KNOWN_SETTINGS
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text()
+    documented = set(re.findall(r"^\| `(DLOCK_[A-Z_]+)`", page, re.MULTILINE))
+    assert documented == KNOWN_SETTINGS
+    with override_settings(**{name: None for name in documented}):
+        assert check_unknown_settings() == []
