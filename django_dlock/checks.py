@@ -1,5 +1,7 @@
 """Every system check of django-dlock, registered here (stable IDs, listed in the docs).
 
+* ``dlock.E000``: ``"django_dlock"`` is in ``INSTALLED_APPS`` (registered as
+  soon as a lock is declared, installed or not);
 * ``dlock.E001``-``E006``: each ``DLOCK_*`` setting has a valid value;
   ``dlock.W001``: no unknown (misspelt) ``DLOCK_*`` setting;
 * ``dlock.E010``-``E014``, ``W010``-``W011``: the default strategy fits the
@@ -21,11 +23,14 @@ refuse them at run time.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
+from django.apps import apps
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning
+from django.core.checks import register as _register
 
 from django_dlock.conf import DEFAULTS, KNOWN_SETTINGS, lock_alias
 from django_dlock.validation import (
@@ -37,6 +42,50 @@ from django_dlock.validation import (
     timeout_error,
     ttl_error,
 )
+
+_Check = TypeVar("_Check", bound=Callable[..., list[CheckMessage]])
+
+#: the message of dlock.E000 and of the error a lock raises (the same words)
+NOT_INSTALLED = (
+    '"django_dlock" is not in INSTALLED_APPS: add it there, then run '
+    "`python manage.py migrate django_dlock`"
+)
+
+
+def register(*tags: str) -> Callable[[_Check], _Check]:
+    """Django's ``register``, for a check that needs django-dlock installed.
+
+    This module is also imported (by :mod:`django_dlock.locks`) where
+    ``"django_dlock"`` is not in ``INSTALLED_APPS``, so that ``dlock.E000``
+    says so; the other checks then say nothing (their models cannot load).
+    """
+
+    def decorate(check: _Check) -> _Check:
+        @functools.wraps(check)
+        def when_installed(**kwargs: Any) -> list[CheckMessage]:
+            if not apps.is_installed("django_dlock"):
+                return []
+            return check(**kwargs)
+
+        _register(*tags)(when_installed)
+        return check
+
+    return decorate
+
+
+@_register(Tags.compatibility)
+def check_installed(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E000: django-dlock is used but ``"django_dlock"`` is not installed."""
+    if apps.is_installed("django_dlock"):
+        return []
+    return [
+        Error(
+            NOT_INSTALLED + ".",
+            hint='INSTALLED_APPS = [..., "django_dlock"]',
+            id="dlock.E000",
+        )
+    ]
+
 
 _SETTING_CHECKS: list[tuple[str, str, Callable[[object], str | None]]] = [
     ("dlock.E001", "DLOCK_DEFAULT_STRATEGY", strategy_error),
