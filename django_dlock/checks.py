@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -252,6 +253,19 @@ def check_direct_databases(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+def _inside_migrate() -> bool:
+    """Whether Django's ``migrate`` command (from ``manage.py`` or
+    ``call_command``) runs these checks: it checks its database first."""
+    from django.core.management.commands.migrate import Command as Migrate
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Migrate):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 @register(Tags.database)
 def check_tables(**kwargs: Any) -> list[CheckMessage]:
     """dlock.W070: django-dlock's tables are missing (connects; ``--database``).
@@ -266,6 +280,8 @@ def check_tables(**kwargs: Any) -> list[CheckMessage]:
     from django_dlock.tables import LOCK_TABLE
 
     found: list[CheckMessage] = []
+    if _inside_migrate():
+        return found  # the very command that creates them: it would warn about itself
     for alias in kwargs.get("databases") or []:
         if not router.allow_migrate_model(alias, Lock):
             continue  # the router keeps django-dlock's tables elsewhere
