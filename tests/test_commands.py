@@ -245,6 +245,23 @@ def test_dlock_list_and_show_advisory_locks_on_postgresql():
         other.close()
 
 
+def test_dlock_list_names_an_advisory_key_where_its_name_can_be_known():
+    """Advisory keys were listed as bare numbers (hashes of their names)."""
+    with dlock.lock("adv-named"):  # a lease row of that name: the key's name is known
+        pass
+    other = connections["default"].copy()
+    try:
+        with other.cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:adv-named")])
+            cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:adv-nameless")])
+        out = run("dlock_list")
+        assert re.search(rf"^{hash64('lock:adv-named')} +lock:adv-named +int8 ", out, re.M), out
+        assert re.search(rf"^{hash64('lock:adv-nameless')} +- +int8 ", out, re.M), out
+        assert "NAME -: a key is a hash of its lock's name" in out
+    finally:
+        other.close()
+
+
 def _no_countdown(text: str) -> str:
     return re.sub(r"[\d.]+ s left", "<seconds> s left", text)
 
