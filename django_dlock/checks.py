@@ -1,7 +1,8 @@
 """Every system check of django-dlock, registered here (stable IDs, listed in the docs).
 
 * ``dlock.E000``: ``"django_dlock"`` is in ``INSTALLED_APPS`` (registered as
-  soon as a lock is declared, installed or not);
+  soon as ``dlock.lock`` or another lazy attribute of the package is used,
+  installed or not);
 * ``dlock.E001``-``E006``: each ``DLOCK_*`` setting has a valid value;
   ``dlock.W001``: no unknown (misspelt) ``DLOCK_*`` setting;
 * ``dlock.E010``-``E014``, ``W010``-``W011``: the default strategy fits the
@@ -33,7 +34,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning
 from django.core.checks import register as _register
 
-from django_dlock.conf import DEFAULTS, KNOWN_SETTINGS, lock_alias
+from django_dlock.conf import DEFAULTS, KNOWN_SETTINGS, NOT_INSTALLED, lock_alias
 from django_dlock.validation import (
     bool_error,
     direct_databases_error,
@@ -46,17 +47,12 @@ from django_dlock.validation import (
 
 _Check = TypeVar("_Check", bound=Callable[..., list[CheckMessage]])
 
-#: the message of dlock.E000 and of the error a lock raises (the same words)
-NOT_INSTALLED = (
-    '"django_dlock" is not in INSTALLED_APPS: add it there, then run '
-    "`python manage.py migrate django_dlock`"
-)
-
 
 def register(*tags: str) -> Callable[[_Check], _Check]:
     """Django's ``register``, for a check that needs django-dlock installed.
 
-    This module is also imported (by :mod:`django_dlock.locks`) where
+    This module is also imported (by ``django_dlock``'s lazy attributes:
+    ``dlock.lock``, ``dlock.TaskLock``, ...) where
     ``"django_dlock"`` is not in ``INSTALLED_APPS``, so that ``dlock.E000``
     says so; the other checks then say nothing (their models cannot load).
     """

@@ -31,6 +31,7 @@ from django_dlock.validation import (
 __all__ = [
     "DEFAULTS",
     "KNOWN_SETTINGS",
+    "NOT_INSTALLED",
     "UNSET",
     "FromSetting",
     "RetryInterval",
@@ -57,6 +58,13 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_ADVISORY_FENCING": False,
     "DLOCK_QUEUE_TICKET_TTL": 6.0,
 }
+
+#: the message of the check dlock.E000 and of the error a lock raises when
+#: ``"django_dlock"`` is not in ``INSTALLED_APPS`` (the same words)
+NOT_INSTALLED = (
+    '"django_dlock" is not in INSTALLED_APPS: add it there, then run '
+    "`python manage.py migrate django_dlock`"
+)
 
 #: every ``DLOCK_*`` setting django-dlock reads (those of :data:`DEFAULTS` and
 #: those read where they are used); the system check ``dlock.W001`` warns

@@ -50,7 +50,6 @@ from typing import (
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections
 
-from django_dlock import checks as _checks  # noqa: F401 (dlock.E000, when not installed)
 from django_dlock import holdings, metrics, signals, tracing, two_phase
 from django_dlock._threads import to_the_end
 from django_dlock.acquiring import Attempt

@@ -108,7 +108,7 @@ def supported(name: str, alias: str) -> Strategy:
     found = _SUPPORTED.get(slot)
     if found is None:
         if not apps.is_installed("django_dlock"):  # (once: remembered below)
-            from django_dlock.checks import NOT_INSTALLED
+            from django_dlock.conf import NOT_INSTALLED
 
             raise ImproperlyConfigured(NOT_INSTALLED)
         connection = connections[alias]

@@ -735,7 +735,7 @@ def not_migrated(alias: str) -> NotMigrated:
     from django.apps import apps
 
     if not apps.is_installed("django_dlock"):  # "migrate django_dlock" would fail
-        from django_dlock.checks import NOT_INSTALLED
+        from django_dlock.conf import NOT_INSTALLED
 
         return NotMigrated(NOT_INSTALLED)
     option = "" if alias == "default" else f" --database {alias}"
