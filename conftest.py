@@ -134,3 +134,22 @@ def django_db_setup(django_db_setup: None) -> Iterator[None]:
 
     yield
     dlock.close_connections()
+
+
+#: while a run of ``bash scripts/test`` lasts, its pytest process holds the
+#: run's lock, so that a later run's clean-up leaves its databases alone
+#: (tests/servers.py)
+_run_lock: list[Any] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import contextlib
+    import os
+
+    from tests.servers import RUN_SUFFIX, hold_run_lock
+
+    suffix = os.environ.get("DLOCK_TEST_DB_SUFFIX", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and RUN_SUFFIX.fullmatch(suffix):
+        # (PostgreSQL down: tests/conftest.py's pytest_sessionstart fails the run, by name)
+        with contextlib.suppress(Exception):
+            _run_lock.append(hold_run_lock(suffix))

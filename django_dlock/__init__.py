@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import sys
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from django_dlock import _logging  # noqa: F401  (escapes control characters in log lines)
@@ -102,6 +103,12 @@ def __getattr__(name: str) -> Any:
     # The lock machinery imports Django's database layer; load it lazily so
     # that ``import django_dlock`` works before ``django.setup()`` (settings,
     # INSTALLED_APPS, the AppConfig).
+    # The system checks, dlock.E000 among them, are registered by the app's
+    # ready(); a project that uses django-dlock without "django_dlock" in
+    # INSTALLED_APPS has them registered here, so that E000 says so.
+    if not name.startswith("__"):
+        import_module("django_dlock.checks")
+
     if name in ("Lock", "lock"):
         from django_dlock import locks
 

@@ -585,6 +585,7 @@ def _terminate(model_admin: LockAdmin, request: HttpRequest, pid: int) -> HttpRe
         raise PermissionDenied
     advisory_url = reverse(f"{model_admin.admin_site.name}:django_dlock_lock_advisory")
     locks = [lk for lk in override.advisory_locks(alias) if lk.pid == pid]
+    names = override.advisory_names(alias, {lk.key for lk in locks}) if locks else {}
     if request.method == "POST":
         if request.POST.get("post") == "yes" and override.terminate_backend(
             alias, pid, user=request.user
@@ -605,7 +606,9 @@ def _terminate(model_admin: LockAdmin, request: HttpRequest, pid: int) -> HttpRe
         request,
         f"Terminate PostgreSQL backend {pid}?",
         pid=pid,
-        rows=[{"lock": lk, "badge": badge(lk.state)} for lk in locks],
+        rows=[
+            {"lock": lk, "name": names.get(lk.key, ""), "badge": badge(lk.state)} for lk in locks
+        ],
         advisory_url=advisory_url,
     )
     request.current_app = model_admin.admin_site.name

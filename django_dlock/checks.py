@@ -1,6 +1,10 @@
 """Every system check of django-dlock, registered here (stable IDs, listed in the docs).
 
+* ``dlock.E000``: ``"django_dlock"`` is in ``INSTALLED_APPS`` (registered as
+  soon as ``dlock.lock`` or another lazy attribute of the package is used,
+  installed or not);
 * ``dlock.E001``-``E006``: each ``DLOCK_*`` setting has a valid value;
+  ``dlock.W001``: no unknown (misspelt) ``DLOCK_*`` setting;
 * ``dlock.E010``-``E014``, ``W010``-``W011``: the default strategy fits the
   lock database (settings only, never a connection);
 * ``dlock.E020``-``E027``, ``W020``-``W023``: ``DLOCK_MIDDLEWARE_RULES`` and
@@ -19,13 +23,18 @@ refuse them at run time.
 
 from __future__ import annotations
 
+import difflib
+import functools
+import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
+from django.apps import apps
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning
+from django.core.checks import register as _register
 
-from django_dlock.conf import DEFAULTS, lock_alias
+from django_dlock.conf import DEFAULTS, KNOWN_SETTINGS, NOT_INSTALLED, lock_alias
 from django_dlock.validation import (
     bool_error,
     direct_databases_error,
@@ -35,6 +44,45 @@ from django_dlock.validation import (
     timeout_error,
     ttl_error,
 )
+
+_Check = TypeVar("_Check", bound=Callable[..., list[CheckMessage]])
+
+
+def register(*tags: str) -> Callable[[_Check], _Check]:
+    """Django's ``register``, for a check that needs django-dlock installed.
+
+    This module is also imported (by ``django_dlock``'s lazy attributes:
+    ``dlock.lock``, ``dlock.TaskLock``, ...) where
+    ``"django_dlock"`` is not in ``INSTALLED_APPS``, so that ``dlock.E000``
+    says so; the other checks then say nothing (their models cannot load).
+    """
+
+    def decorate(check: _Check) -> _Check:
+        @functools.wraps(check)
+        def when_installed(**kwargs: Any) -> list[CheckMessage]:
+            if not apps.is_installed("django_dlock"):
+                return []
+            return check(**kwargs)
+
+        _register(*tags)(when_installed)
+        return check
+
+    return decorate
+
+
+@_register(Tags.compatibility)
+def check_installed(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.E000: django-dlock is used but ``"django_dlock"`` is not installed."""
+    if apps.is_installed("django_dlock"):
+        return []
+    return [
+        Error(
+            NOT_INSTALLED + ".",
+            hint='INSTALLED_APPS = [..., "django_dlock"]',
+            id="dlock.E000",
+        )
+    ]
+
 
 _SETTING_CHECKS: list[tuple[str, str, Callable[[object], str | None]]] = [
     ("dlock.E001", "DLOCK_DEFAULT_STRATEGY", strategy_error),
@@ -62,6 +110,29 @@ def check_settings(**kwargs: Any) -> list[CheckMessage]:
                 )
             )
     return errors
+
+
+@register(Tags.compatibility)
+def check_unknown_settings(**kwargs: Any) -> list[CheckMessage]:
+    """dlock.W001: a ``DLOCK_*`` setting that django-dlock does not read (misspelt?)."""
+    found: list[CheckMessage] = []
+    for name in sorted(dir(settings)):
+        if not name.startswith("DLOCK_") or name in KNOWN_SETTINGS:
+            continue
+        close = difflib.get_close_matches(name, sorted(KNOWN_SETTINGS), n=1, cutoff=0.6)
+        hint = (
+            f"Did you mean {close[0]}?"
+            if close
+            else "See the settings page of django-dlock's documentation for the names it reads."
+        )
+        found.append(
+            Warning(
+                f"{name} is not a django-dlock setting: it is ignored.",
+                hint=hint,
+                id="dlock.W001",
+            )
+        )
+    return found
 
 
 @register(Tags.compatibility)
@@ -178,6 +249,19 @@ def check_direct_databases(**kwargs: Any) -> list[CheckMessage]:
     ]
 
 
+def _inside_migrate() -> bool:
+    """Whether Django's ``migrate`` command (from ``manage.py`` or
+    ``call_command``) runs these checks: it checks its database first."""
+    from django.core.management.commands.migrate import Command as Migrate
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Migrate):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 @register(Tags.database)
 def check_tables(**kwargs: Any) -> list[CheckMessage]:
     """dlock.W070: django-dlock's tables are missing (connects; ``--database``).
@@ -192,6 +276,8 @@ def check_tables(**kwargs: Any) -> list[CheckMessage]:
     from django_dlock.tables import LOCK_TABLE
 
     found: list[CheckMessage] = []
+    if _inside_migrate():
+        return found  # the very command that creates them: it would warn about itself
     for alias in kwargs.get("databases") or []:
         if not router.allow_migrate_model(alias, Lock):
             continue  # the router keeps django-dlock's tables elsewhere

@@ -30,6 +30,8 @@ from django_dlock.validation import (
 
 __all__ = [
     "DEFAULTS",
+    "KNOWN_SETTINGS",
+    "NOT_INSTALLED",
     "UNSET",
     "FromSetting",
     "RetryInterval",
@@ -55,6 +57,24 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_DIRECT_DATABASES": {},
     "DLOCK_ADVISORY_FENCING": False,
     "DLOCK_QUEUE_TICKET_TTL": 6.0,
+}
+
+#: the message of the check dlock.E000 and of the error a lock raises when
+#: ``"django_dlock"`` is not in ``INSTALLED_APPS`` (the same words)
+NOT_INSTALLED = (
+    '"django_dlock" is not in INSTALLED_APPS: add it there, then run '
+    "`python manage.py migrate django_dlock`"
+)
+
+#: every ``DLOCK_*`` setting django-dlock reads (those of :data:`DEFAULTS` and
+#: those read where they are used); the system check ``dlock.W001`` warns
+#: about any other ``DLOCK_*`` name in the settings (a misspelt one is ignored)
+KNOWN_SETTINGS: frozenset[str] = frozenset(DEFAULTS) | {
+    "DLOCK_HOLDER_INFO",
+    "DLOCK_METRICS",
+    "DLOCK_TRACING",
+    "DLOCK_TRACING_LOCK_NAMES",
+    "DLOCK_QUORUMS",
 }
 
 

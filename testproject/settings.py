@@ -94,5 +94,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"django_dlock": {"handlers": ["console"], "level": "WARNING"}},
+    "loggers": {
+        "django_dlock": {"handlers": ["console"], "level": "WARNING"},
+        # the example jobs' lines (heartbeat) are news, not warnings
+        "testproject": {"handlers": ["console"], "level": "INFO"},
+    },
 }

@@ -186,6 +186,11 @@ def hello() -> None:
     """The smallest job (prints nothing)."""
 
 
+def say_hi() -> None:
+    """A job that prints a line at once (the worker's output order)."""
+    print("job says hi", flush=True)
+
+
 NOT_CALLABLE = 42
 
 

@@ -359,6 +359,18 @@ def test_terminate_holder_is_superuser_only_and_confirmed(admin_client_, advisor
     assert "No advisory lock is held or awaited." in page
 
 
+def test_terminate_confirmation_names_the_keys_it_can(admin_client_, advisory_holder):
+    """The page listed the keys of the session as bare numbers."""
+    with dlock.lock("nightly"):  # a lease row named lock:nightly: its key's name is known
+        pass
+    _, pid = advisory_holder
+    page = admin_client_.get(reverse("admin:django_dlock_lock_terminate", args=[pid]))
+    text = page.content.decode()
+    assert "<th>Name</th>" in text
+    assert "<code>lock:nightly</code>" in text
+    assert "(7, -42)" in text  # a two-part key of no known name: its cell says so on hover
+
+
 def test_terminate_needs_post_with_csrf(advisory_holder):
     _, pid = advisory_holder
     client = Client(enforce_csrf_checks=True)

@@ -40,3 +40,51 @@ def test_good_values_pass():
         )
         == []
     )
+
+
+def test_w001_a_misspelt_setting_is_named_with_a_did_you_mean():
+    from django_dlock.checks import check_unknown_settings
+
+    with override_settings(DLOCK_DEFAUL_TTL=5, DLOCK_ZZZ=1):
+        found = {str(m.msg): m for m in check_unknown_settings()}
+    assert set(found) == {
+        "DLOCK_DEFAUL_TTL is not a django-dlock setting: it is ignored.",
+        "DLOCK_ZZZ is not a django-dlock setting: it is ignored.",
+    }
+    misspelt = found["DLOCK_DEFAUL_TTL is not a django-dlock setting: it is ignored."]
+    assert misspelt.id == "dlock.W001"
+    assert misspelt.hint == "Did you mean DLOCK_DEFAULT_TTL?"
+
+
+def test_w001_every_documented_setting_is_known():
+    import re
+    from pathlib import Path
+
+    from django_dlock.checks import check_unknown_settings
+    from django_dlock.conf import KNOWN_SETTINGS
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text()
+    documented = set(re.findall(r"^\| `(DLOCK_[A-Z_]+)`", page, re.MULTILINE))
+    assert documented == KNOWN_SETTINGS
+    with override_settings(**dict.fromkeys(documented)):
+        assert check_unknown_settings() == []
+
+
+def test_e000_without_the_app_in_installed_apps_check_and_lock_say_add_it(settings):
+    """Without "django_dlock" in INSTALLED_APPS `check` passed and locks ran on
+    a migrated database; on a new one NotMigrated said "run migrate
+    django_dlock", which fails ("No installed app with label")."""
+    from django.core import checks
+    from django.core.exceptions import ImproperlyConfigured
+
+    import django_dlock as dlock
+
+    dlock.lock("declared")  # a project that uses django-dlock
+    others = [app for app in settings.INSTALLED_APPS if app != "django_dlock"]
+    with override_settings(INSTALLED_APPS=others):
+        found = [m for m in checks.run_checks() if m.id and m.id.startswith("dlock.")]
+        assert [m.id for m in found] == ["dlock.E000"]
+        assert "add it there" in str(found[0].msg)
+        with pytest.raises(ImproperlyConfigured, match='"django_dlock" is not in INSTALLED_APPS'):
+            dlock.lock("k", using="sqlite").acquire(timeout=0)
+    assert [m for m in checks.run_checks() if m.id == "dlock.E000"] == []

@@ -245,6 +245,40 @@ def test_dlock_list_and_show_advisory_locks_on_postgresql():
         other.close()
 
 
+def test_a_two_part_key_is_listed_shown_and_released_by_the_one_name_it_has():
+    """getting-started: the commands take a name as dlock_list shows it."""
+    lk = dlock.lock(("order", 42), ttl=60)
+    assert lk.acquire(timeout=0)
+    try:
+        assert re.search(r"^lock\('order', 42\) +held ", run("dlock_list"), re.M)
+        shown = run("dlock_show", "lock('order', 42)")
+        assert re.search(r"^name +lock\('order', 42\)\nstate +held$", shown, re.M), shown
+        # its advisory key is the pair of int4 keys.md gives, not a hash of the name
+        assert re.search(r"^advisory key +\(1055620758, 42\)$", shown, re.M), shown
+        run("dlock_release", "lock('order', 42)", "--yes")
+        assert not lk.owned()
+    finally:
+        if lk.owned():
+            lk.release()
+
+
+def test_dlock_list_names_an_advisory_key_where_its_name_can_be_known():
+    """Advisory keys were listed as bare numbers (hashes of their names)."""
+    with dlock.lock("adv-named"):  # a lease row of that name: the key's name is known
+        pass
+    other = connections["default"].copy()
+    try:
+        with other.cursor() as cur:
+            cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:adv-named")])
+            cur.execute("SELECT pg_advisory_lock(%s)", [hash64("lock:adv-nameless")])
+        out = run("dlock_list")
+        assert re.search(rf"^{hash64('lock:adv-named')} +lock:adv-named +int8 ", out, re.M), out
+        assert re.search(rf"^{hash64('lock:adv-nameless')} +- +int8 ", out, re.M), out
+        assert "NAME -: a key is a hash of its lock's name" in out
+    finally:
+        other.close()
+
+
 def _no_countdown(text: str) -> str:
     return re.sub(r"[\d.]+ s left", "<seconds> s left", text)
 

@@ -63,3 +63,35 @@ def test_every_page_is_in_the_nav():
     pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
     assert pages - listed == set(), "pages missing from mkdocs.yml's nav"
     assert listed - pages == set(), "nav entries without a page"
+
+
+def _driver_extras() -> set[str]:
+    """The extras of pyproject.toml that bring a PostgreSQL driver."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    return {
+        name
+        for name, requirements in extras.items()
+        if any(re.match(r"psycopg(2|\[|>|=|$)", r.replace("-binary", "")) for r in requirements)
+    }
+
+
+def test_a_block_that_runs_on_postgresql_installs_a_driver():
+    """getting-started's site on PostgreSQL once installed `.[demo]` only: its
+    `migrate` failed with "Error loading psycopg2 or psycopg module"."""
+    drivers = _driver_extras()
+    assert "postgresql" in drivers
+    blocks = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", page.read_text(), re.S):
+            if re.search(r"DATABASE_URL=postgres|createdb ", block) and "pip install" in block:
+                blocks.append((page.name, block))
+    assert blocks, "the example site on PostgreSQL is in getting-started.md"
+    for name, block in blocks:
+        installed = set()
+        for extras in re.findall(r"pip install[^\n]*?\[([\w,]+)\]", block):
+            installed |= set(extras.split(","))
+        assert installed & drivers, f"{name}: {block!r} installs no PostgreSQL driver"

@@ -131,3 +131,19 @@ def test_bad_settings_surface_at_the_first_call(setting, value, error):
 
         with pytest.raises(error):
             work(None)
+
+
+def test_without_the_app_installed_check_says_to_add_it(tmp_path):
+    """A project whose models declare locks, "django_dlock" left out of
+    INSTALLED_APPS: ``check`` passed and the locks ran (or NotMigrated said to
+    run a migrate that fails)."""
+    app = tmp_path / "importcheck_app"
+    app.mkdir()
+    (app / "__init__.py").write_text("")
+    (app / "models.py").write_text(textwrap.dedent(LOCK_FUNCTIONS))
+    installed = ["django.contrib.contenttypes", "django.contrib.auth", "importcheck_app"]
+    result = manage_check(tmp_path, LOCK_FUNCTIONS, INSTALLED_APPS=installed, MIDDLEWARE=[])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "(dlock.E000)" in result.stderr, result.stderr
+    assert '"django_dlock" is not in INSTALLED_APPS: add it there' in result.stderr
+    assert "Traceback" not in result.stderr

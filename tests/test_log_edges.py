@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -120,3 +122,33 @@ def test_a_cancelled_async_acquire_is_counted_cancelled_not_error():
         assert acquires("cancelled") == before[0] + 1
         assert acquires("error") == before[1]
         assert not dlock.lock(name).locked()  # the cancelled acquire left nothing held
+
+
+#: "contention ... at INFO" in a sentence, "| `INFO` | contention: ..." in a table
+CONTENTION_LEVEL = re.compile(
+    r"contention\b[^.|]*?\bat `?(DEBUG|INFO|WARNING|ERROR)\b"
+    r"|\| `(DEBUG|INFO|WARNING|ERROR)` \| contention"
+)
+
+
+def test_the_pages_state_the_level_contention_is_logged_at(caplog):
+    """views.md once said WARNING while the code logged INFO: each page that
+    states contention's level states the one a timed-out acquire logs at."""
+    caplog.set_level(logging.DEBUG, logger="django_dlock")
+    with dlock.lock("log-level"):
+        thread = threading.Thread(target=lambda: dlock.lock("log-level").acquire(timeout=0))
+        thread.start()
+        thread.join(30)
+    (record,) = [r for r in caplog.records if "gave up" in r.getMessage()]
+    root = Path(__file__).resolve().parent.parent
+    stated = {
+        page.name: [
+            "".join(found) for found in CONTENTION_LEVEL.findall(" ".join(page.read_text().split()))
+        ]
+        for page in sorted((root / "docs").glob("*.md"))
+    }
+    stated = {name: levels for name, levels in stated.items() if levels}
+    assert {"views.md", "signals.md", "troubleshooting.md"} <= set(stated)
+    assert {name: set(levels) for name, levels in stated.items()} == {
+        name: {record.levelname} for name in stated
+    }

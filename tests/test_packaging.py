@@ -137,3 +137,70 @@ def test_the_sdist_has_the_license_and_the_package_data(dists):
     assert {"LICENSE", "README.md", "pyproject.toml", "django_dlock/py.typed"} <= names
     assert "django_dlock/migrations/0001_initial.py" in names
     assert "django_dlock/templates/admin/django_dlock/lock/change_list.html" in names
+
+
+def _install_commands() -> list[str]:
+    """The commands of getting-started's first install block, as written."""
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    block = re.search(r"## Install\n.*?```bash\n(.*?)```", page, re.DOTALL)
+    assert block is not None
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_first_install_block_offers_an_editable_mode_mypy_follows():
+    commands = _install_commands()
+    assert "pip install ." in commands
+    assert "pip install -e . --config-settings editable_mode=strict" in commands
+    assert "pip install -e ." not in commands  # setuptools' import hook: mypy sees Any
+
+
+@pytest.mark.parametrize(
+    "command", [*_install_commands(), "pip install -e ."], ids=lambda c: c.replace(" ", "_")
+)
+def test_mypy_strict_sees_the_types_after_the_documented_install(command, tmp_path):
+    """``pip install -e .`` (setuptools' editable finder) left mypy --strict
+    with "Cannot find implementation" and ``django_dlock`` as ``Any``."""
+    import sysconfig
+
+    project = tmp_path / "checkout"
+    project.mkdir()
+    for name in SHIPPED:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, project / name)
+    venv = tmp_path / "venv"
+    run(sys._base_executable, "-m", "venv", venv, cwd=tmp_path)
+    python = venv / "bin" / "python"
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    # Django, mypy and its stubs from this environment; not its django_dlock
+    # (a .pth line adds a folder to the path without reading its .pth files)
+    (site / "tests-base.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    words = command.split()
+    assert words[:2] == ["pip", "install"]
+    # a user's environment: django_dlock only where the install put it
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    result = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", *words[2:]],
+        cwd=project,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (tmp_path / "use.py").write_text("import django_dlock as dlock\n\nreveal_type(dlock.lock)\n")
+    result = subprocess.run(
+        [python, "-m", "mypy", "--strict", "--no-incremental", "use.py"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if command == "pip install -e .":  # the mode the page warns about: still so?
+        assert 'Revealed type is "Any"' in result.stdout, result.stdout
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "django_dlock.locks.Lock[Literal['raise']]" in result.stdout

@@ -289,6 +289,24 @@ def test_verbosity(verbosity, tmp_path):
 
 
 @db
+def test_became_leader_is_printed_before_the_jobs_first_output():
+    """The leader's line came from the election's callback thread, after the
+    first job had already printed."""
+    worker = Worker(
+        "--job", "tests.jobs.say_hi", "--interval", "0.05", "--election", "order", *FAST
+    )
+    try:
+        wait_until(lambda: worker.first("job says hi") is not None, 60)
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0, worker.stderr()
+    finally:
+        worker.kill()
+    lines = [line for line in worker.lines() if not line.startswith("worker ")]
+    assert lines[0].startswith("became leader (term "), lines[:3]
+    assert lines[1] == "job says hi"
+
+
+@db
 @pytest.mark.parametrize("command", ["dlock_runworker", "runworker"])
 def test_jobs_from_the_setting(tmp_path, command):
     runs = str(tmp_path / "runs.jsonl")

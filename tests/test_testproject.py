@@ -76,3 +76,44 @@ def test_checkout_form_posts_with_its_csrf_token_and_a_refused_post_leaves_no_ro
         response = browser.post("/checkout/", {"csrfmiddlewaretoken": found.group(1)})
         assert response.status_code == 200 and response.json() == {"ordered": True}
         assert LockRow.objects.filter(name__startswith="lock:checkout:anon:").count() == 1
+
+
+def test_the_example_job_logs_its_heartbeat_at_info_and_the_site_shows_it():
+    """The example job logged each heartbeat at WARNING: routine news."""
+    script = (
+        "import logging, django; django.setup()\n"
+        "from testproject.demo.jobs import heartbeat\n"
+        "class Seen(logging.Handler):\n"
+        "    def emit(self, record): print('LEVEL', record.levelname)\n"
+        "logging.getLogger('testproject.demo.jobs').addHandler(Seen())\n"
+        "heartbeat()\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "testproject.settings"}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["LEVEL INFO"]
+    assert "heartbeat from " in result.stderr  # the site's console handler printed it
+
+
+def test_the_demo_says_why_its_fences_have_gaps():
+    """On PostgreSQL the demo printed fences 1..9 for 6 grants, unexplained."""
+    import io
+
+    from testproject.demo.management.commands.dlock_demo import Command
+
+    def held(start: int, fence: int) -> str:
+        return f"worker A: released      [held {start} {start + 5} {fence}]"
+
+    out = io.StringIO()
+    Command(stdout=out)._summary([held(0, 1), held(10, 3), held(20, 5)], 3)
+    assert "fences 1..5 for 3 acquisitions: the numbers have gaps" in out.getvalue()
+    out = io.StringIO()
+    Command(stdout=out)._summary([held(0, 1), held(10, 2)], 2)
+    assert "gaps" not in out.getvalue()

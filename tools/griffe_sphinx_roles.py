@@ -1,6 +1,6 @@
 """A Griffe extension for the API reference: Sphinx roles become links.
 
-It also shows what an ``UNSET`` default means (see :data:`UNSET_DEFAULTS`).
+It also shows an ``UNSET`` default as ``...`` (see :data:`UNSET_SHOWN`).
 
 The docstrings are Google style, and some cross-reference other objects with
 Sphinx roles (``:class:`~django_dlock.locks.Lock```, ``:meth:`run```).
@@ -21,13 +21,12 @@ import griffe
 ROLE = re.compile(r":(?:py:)?(class|meth|func|attr|exc|mod|data|obj):`(~?)([^`<>]+)`")
 CALLABLE_ROLES = {"meth", "func"}
 
-#: what the ``UNSET`` sentinel stands for, by (function name, parameter name);
-#: a signature shows this instead of ``UNSET``
-UNSET_DEFAULTS = {
-    ("__init__", "timeout"): "settings.DLOCK_DEFAULT_TIMEOUT",
-    ("acquire", "timeout"): "self.timeout",
-    ("aacquire", "timeout"): "self.timeout",
-}
+#: how a signature shows a parameter whose default is the ``UNSET`` sentinel:
+#: ``...``, as stub files show a default (the argument may be left out; its
+#: docstring says what applies then: the lock's own value, or a setting).
+#: Neither ``UNSET`` nor an expression such as ``self.timeout`` is something
+#: a user could pass.
+UNSET_SHOWN = "..."
 
 
 def _resolve(obj: griffe.Object, target: str) -> str | None:
@@ -86,10 +85,10 @@ class SphinxRoles(griffe.Extension):
         if obj.docstring is not None:
             obj.docstring.value = convert(obj.docstring.value, obj)
         if isinstance(obj, griffe.Function):
-            for parameter in obj.parameters:
-                shown = UNSET_DEFAULTS.get((obj.name, parameter.name))
-                if shown is not None and str(parameter.default) == "UNSET":
-                    parameter.default = shown
+            for signature in [obj, *(obj.overloads or [])]:  # (typing.overload's too)
+                for parameter in signature.parameters:
+                    if str(parameter.default) == "UNSET":
+                        parameter.default = UNSET_SHOWN
         for member in obj.members.values():
             if not member.is_alias:
                 self._walk(member, seen)  # type: ignore[arg-type]

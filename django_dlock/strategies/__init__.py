@@ -12,6 +12,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 from django.db import connections
 from django.dispatch import receiver
@@ -105,6 +107,10 @@ def supported(name: str, alias: str) -> Strategy:
     slot = (name, alias, None if database is None else database.get("ENGINE"))
     found = _SUPPORTED.get(slot)
     if found is None:
+        if not apps.is_installed("django_dlock"):  # (once: remembered below)
+            from django_dlock.conf import NOT_INSTALLED
+
+            raise ImproperlyConfigured(NOT_INSTALLED)
         connection = connections[alias]
         vendors = _vendors(name)
         if connection.vendor not in vendors and ANY not in vendors:
@@ -209,5 +215,5 @@ def _any_implementation(name: str) -> Strategy:
 
 @receiver(setting_changed)
 def _forget_supported(setting: str, **kwargs: Any) -> None:
-    if setting == "DATABASES":
+    if setting in ("DATABASES", "INSTALLED_APPS"):
         _SUPPORTED.clear()

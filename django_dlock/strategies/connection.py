@@ -732,6 +732,12 @@ def tables_missing(exc: BaseException) -> bool:
 
 def not_migrated(alias: str) -> NotMigrated:
     """The error for django-dlock's tables missing on ``alias``."""
+    from django.apps import apps
+
+    if not apps.is_installed("django_dlock"):  # "migrate django_dlock" would fail
+        from django_dlock.conf import NOT_INSTALLED
+
+        return NotMigrated(NOT_INSTALLED)
     option = "" if alias == "default" else f" --database {alias}"
     return NotMigrated(
         f"django-dlock's tables are missing or behind this version on database {alias!r}: run "

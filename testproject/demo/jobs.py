@@ -21,7 +21,7 @@ def heartbeat() -> None:
     """A leader-only job: logs who leads and the leadership term (its fence)."""
     leadership = current_leadership()
     term = leadership.term if leadership else None
-    logger.warning("heartbeat from %s pid %s, term %s", socket.gethostname(), os.getpid(), term)
+    logger.info("heartbeat from %s pid %s, term %s", socket.gethostname(), os.getpid(), term)
 
 
 @dlock.TaskLock("nightly-report", min_hold=60, max_hold=600)

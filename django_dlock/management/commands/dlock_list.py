@@ -105,9 +105,13 @@ class Command(DlockCommand):
             advisory = override.advisory_locks(using)
             self.say(f"Advisory locks in {using!r}: {len(advisory)}")
             if advisory:
+                # the lock name behind each key, where it can be known (the admin's
+                # advisory page shows the same): a key is a hash of its name
+                names = override.advisory_names(using, {lk.key for lk in advisory})
                 rows = [
                     [
                         lk.key_text,
+                        names.get(lk.key, "-"),
                         lk.kind,
                         lk.state,
                         lk.mode,
@@ -117,9 +121,23 @@ class Command(DlockCommand):
                     ]
                     for lk in advisory
                 ]
-                headers = ["KEY", "KIND", "STATE", "MODE", "PID", "APPLICATION", "WAITING SINCE"]
+                headers = [
+                    "KEY",
+                    "NAME",
+                    "KIND",
+                    "STATE",
+                    "MODE",
+                    "PID",
+                    "APPLICATION",
+                    "WAITING SINCE",
+                ]
                 for line in table(headers, rows):
                     self.say(line)
+                if any(lk.key not in names for lk in advisory):
+                    self.say(
+                        "NAME -: a key is a hash of its lock's name, and this one's name is "
+                        "in no lease or waiter row (dlock_show NAME finds a name's key)"
+                    )
         if override.is_mysql(using):
             self._user_locks(using)
 

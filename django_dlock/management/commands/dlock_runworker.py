@@ -132,7 +132,8 @@ class Command(BaseCommand):
             )
         except (ValueError, DLockError) as exc:
             raise CommandError(str(exc)) from None
-        election.on_started_leading = lambda term: self._say(f"became leader (term {term})")
+        if options["isolate"]:  # (else _lead says it, before the jobs' first output)
+            election.on_started_leading = lambda term: self._say(f"became leader (term {term})")
         election.on_stopped_leading = lambda: self._stopped(election)
         self.jobs = jobs
         self.election = election
@@ -163,6 +164,9 @@ class Command(BaseCommand):
     # -- the leader's work -------------------------------------------------------
 
     def _lead(self, leadership: Leadership) -> None:
+        # said here, in the thread that runs the jobs: on_started_leading runs in
+        # the election's callback thread, and came after a job's first output
+        self._say(f"became leader (term {leadership.term})")
         run_jobs(
             leadership,
             self.jobs,

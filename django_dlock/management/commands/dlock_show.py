@@ -57,10 +57,11 @@ class Command(DlockCommand):
             return
         lease = override.find_lease(using, name)
         advisory = []
-        key = None
+        key: tuple[int, ...] | None = None
         if override.is_postgresql(using):
-            key = override.advisory_key_of(name)
-            advisory = [lk for lk in override.advisory_locks(using) if lk.key == (key,)]
+            # (a two-part name, lock('order', 42), has a key of two int4: not a hash)
+            key = override.advisory_key_of_name(name)
+            advisory = [lk for lk in override.advisory_locks(using) if lk.key == key]
         user_lock: tuple[str, int | None] | None = None
         if override.is_mysql(using):
             user_lock = override.user_lock_holder(using, name)
@@ -71,7 +72,7 @@ class Command(DlockCommand):
             self._readers(using, lease.name)
             self._waiters(using, lease.name)
         if key is not None:
-            self._field("advisory key", str(key))
+            self._field("advisory key", str(key[0]) if len(key) == 1 else f"({key[0]}, {key[1]})")
             for lk in advisory:
                 self.say(f"  {lk.state} {lk.mode} by pid {lk.pid} ({lk.application or 'no name'})")
         if user_lock is not None and user_lock[1] is not None:
