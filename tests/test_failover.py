@@ -22,12 +22,18 @@ not change, its connections drop and reconnect.
 * A leader whose leadership was lost with the old primary stops, and leads
   again in a higher term.
 * ``advisory_xact`` and ``row`` locks end with their transaction.
+* An acquire with a timeout that starts during a switchover rides it out,
+  through the switch and through a libpq multi-host DSN
+  (``target_session_attrs=read-write``), and returns the lock held on the
+  new primary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +60,8 @@ pytestmark = [
 SYNC, ASYNC, LEADER = "failover_sync", "failover_async", "failover_leader"
 PLANNED = "failover_planned"
 XACT = "failover_xact"
+#: one database of a pair, reached through the switch and through a multi-host DSN
+RIDEOUT, RIDEOUT_HOSTS = "failover_rideout", "failover_rideout_hosts"
 DATABASE = "dlock_failover"
 
 
@@ -138,6 +146,27 @@ def planned_pair(django_db_blocker):
 def xact_pair(django_db_blocker):
     with _pair(XACT, True, django_db_blocker) as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def rideout_pair(django_db_blocker):
+    with _pair(RIDEOUT, False, django_db_blocker) as pair:
+        # The same database as a libpq multi-host DSN: the primary, then the
+        # standby; libpq connects to whichever one accepts writes.
+        settings = dict(connections.settings[RIDEOUT])
+        settings.update(
+            HOST="127.0.0.1,127.0.0.1",
+            PORT=f"{pair.primary.port},{pair.new_primary.port}",
+            OPTIONS={**settings.get("OPTIONS", {}), "target_session_attrs": "read-write"},
+        )
+        connections.settings[RIDEOUT_HOSTS] = settings
+        try:
+            yield pair
+        finally:
+            with django_db_blocker.unblock():
+                connections[RIDEOUT_HOSTS].close()
+            del connections[RIDEOUT_HOSTS]
+            del connections.settings[RIDEOUT_HOSTS]
 
 
 @pytest.fixture
@@ -464,3 +493,125 @@ def test_transaction_scoped_locks_end_with_the_transaction(xact_pair):
 
     for strategy in strategies:
         assert in_thread(take, strategy), strategy
+
+
+#: how long the switchover lasts (the old primary stopped, nothing accepts
+#: writes), and when in it the acquires start
+SWITCHOVER, STARTS_AFTER = 2.0, 0.5
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", RIDEOUT, RIDEOUT_HOSTS])
+def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
+    pair = rideout_pair
+    clients = [
+        (RIDEOUT, "lease", False),  # through the switch (a virtual IP)
+        (RIDEOUT, "advisory", False),
+        (RIDEOUT_HOSTS, "lease", False),  # host=a,b target_session_attrs=read-write
+        (RIDEOUT_HOSTS, "lease", True),  # aacquire()
+    ]
+    start, done = threading.Event(), threading.Event()
+    results: dict[int, dict[str, Any]] = {}
+    ready = threading.Barrier(len(clients) + 1)
+
+    def client(n: int, alias: str, strategy: str, run_async: bool) -> None:
+        # Connected before the switchover: its connection (or advisory
+        # session) dies with the old primary.
+        warm = dlock.lock(f"rideout:warm:{n}", using=alias, strategy=strategy)
+        with warm:
+            pass
+        ready.wait(60)
+        start.wait(60)
+        lk = dlock.lock(f"rideout:{n}", using=alias, strategy=strategy)
+        began = time.monotonic()
+        if run_async:
+            asyncio.run(_hold_async(lk, began, results, n, done))
+            return
+        try:
+            acquired = lk.acquire(timeout=10)
+        except dlock.DLockError as exc:
+            results[n] = {"acquired": exc, "began": began, "returned": time.monotonic()}
+            return
+        results[n] = {"acquired": acquired, "began": began, "returned": time.monotonic()}
+        if acquired:
+            results[n].update(owned=lk.owned(), token=lk._holdings()[0].request.token)
+            done.wait(60)
+            lk.release()
+
+    threads = [
+        threading.Thread(target=_closing(client), args=(n, *spec)) for n, spec in enumerate(clients)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        ready.wait(60)
+        stopped = time.monotonic()
+        pair.primary.stop()  # a planned switchover: nothing accepts writes from here
+        time.sleep(max(0.0, stopped + STARTS_AFTER - time.monotonic()))
+        start.set()
+        time.sleep(max(0.0, stopped + SWITCHOVER - time.monotonic()))
+        pair.new_primary.promote()
+        promoted = time.monotonic()
+        assert pair.switch is not None
+        pair.switch.point_to(pair.new_primary.port)
+        moved = time.monotonic()
+        wait_until(lambda: len(results) == len(clients), timeout=60)
+
+        for n, (alias, strategy, _) in enumerate(clients):
+            got = results[n]
+            assert got["acquired"] is True, (alias, strategy, got)
+            assert got["owned"] is True, (alias, strategy)
+            assert got["returned"] - got["began"] < 10  # within the timeout
+            # Held on the new primary: another holder cannot take it there.
+            assert _try(f"rideout:{n}", alias, strategy=strategy) is None, (alias, strategy)
+        for n, (_, strategy, _) in enumerate(clients):
+            if strategy == "lease":
+                rows = pair.new_primary.sql(
+                    "SELECT token FROM django_dlock_lock WHERE name = %s",
+                    f"lock:rideout:{n}",
+                    dbname=DATABASE,
+                )
+                assert rows == [(results[n]["token"],)], rows
+        # (what the report gives: how long after the database came back each returned)
+        for n, (alias, strategy, run_async) in enumerate(clients):
+            back = moved if alias == RIDEOUT else promoted
+            print(
+                f"rideout {alias} {strategy}{' async' if run_async else ''}: began "
+                f"{results[n]['began'] - stopped:.2f}s into the switchover, returned "
+                f"{results[n]['returned'] - back:.3f}s after the database was back"
+            )
+    finally:
+        start.set()
+        done.set()
+        for thread in threads:
+            thread.join(60)
+        for alias in (RIDEOUT, RIDEOUT_HOSTS):  # (this thread's died with the old primary)
+            connections[alias].close()
+
+
+async def _hold_async(
+    lk: dlock.Lock, began: float, results: dict[int, Any], n: int, done: threading.Event
+) -> None:
+    """The async client of the switchover: one task acquires, holds and releases."""
+    try:
+        acquired = await lk.aacquire(timeout=10)
+    except dlock.DLockError as exc:
+        results[n] = {"acquired": exc, "began": began, "returned": time.monotonic()}
+        return
+    results[n] = {"acquired": acquired, "began": began, "returned": time.monotonic()}
+    if acquired:
+        holder = lk._holdings()[0]
+        results[n].update(owned=await lk.aowned(), token=holder.request.token)
+        await asyncio.to_thread(done.wait, 60)
+        await lk.arelease()
+
+
+def _closing(func: Any) -> Any:
+    """``func``, run in a thread that closes its connections when it ends."""
+
+    def run(*args: Any) -> None:
+        try:
+            func(*args)
+        finally:
+            connections.close_all()
+
+    return run
