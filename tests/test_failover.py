@@ -537,13 +537,54 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
             done.wait(60)
             lk.release()
 
+    # Waiters already in the queue when the switchover begins: for keys this
+    # thread holds, and releases once the new primary accepts writes.
+    queued: dict[str, Any] = {}
+    holding = {
+        strategy: dlock.lock(f"rideout:queued:{strategy}", using=RIDEOUT, strategy=strategy)
+        for strategy in ("lease", "advisory")
+    }
+
+    def waiter(strategy: str) -> None:
+        lk = dlock.lock(f"rideout:queued:{strategy}", using=RIDEOUT, strategy=strategy)
+        try:
+            queued[strategy] = lk.acquire(timeout=10)
+        except dlock.DLockError as exc:
+            queued[strategy] = exc
+            return
+        queued[f"{strategy} returned"] = time.monotonic()
+        if queued[strategy]:
+            queued[f"{strategy} owned"] = lk.owned()
+            lk.release()
+
     threads = [
         threading.Thread(target=_closing(client), args=(n, *spec)) for n, spec in enumerate(clients)
     ]
+    threads += [threading.Thread(target=_closing(waiter), args=(s,)) for s in holding]
+    for lk in holding.values():
+        assert lk.acquire(timeout=0)
     for thread in threads:
         thread.start()
     try:
         ready.wait(60)
+        wait_until(
+            lambda: (
+                pair.primary.sql(
+                    "SELECT count(*) FROM django_dlock_waiter WHERE name = %s",
+                    "lock:rideout:queued:lease",
+                    dbname=DATABASE,
+                )
+                == [(1,)]
+            )
+        )
+        wait_until(
+            lambda: (
+                pair.primary.sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                )
+                == [(1,)]
+            )
+        )
         stopped = time.monotonic()
         pair.primary.stop()  # a planned switchover: nothing accepts writes from here
         time.sleep(max(0.0, stopped + STARTS_AFTER - time.monotonic()))
@@ -554,7 +595,15 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
         assert pair.switch is not None
         pair.switch.point_to(pair.new_primary.port)
         moved = time.monotonic()
+        for lk in holding.values():  # (advisory: its session died with the old primary)
+            with contextlib.suppress(dlock.LockLost):
+                lk.release()
+        released = time.monotonic()
         wait_until(lambda: len(results) == len(clients), timeout=60)
+        wait_until(lambda: all(strategy in queued for strategy in holding), timeout=60)
+        for strategy in holding:
+            assert queued[strategy] is True, (strategy, queued)
+            assert queued[f"{strategy} owned"] is True, strategy
 
         for n, (alias, strategy, _) in enumerate(clients):
             got = results[n]
@@ -578,6 +627,11 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
                 f"rideout {alias} {strategy}{' async' if run_async else ''}: began "
                 f"{results[n]['began'] - stopped:.2f}s into the switchover, returned "
                 f"{results[n]['returned'] - back:.3f}s after the database was back"
+            )
+        for strategy in holding:
+            print(
+                f"rideout queued {strategy}: returned "
+                f"{queued[f'{strategy} returned'] - released:.3f}s after the release"
             )
     finally:
         start.set()
