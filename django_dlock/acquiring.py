@@ -6,7 +6,10 @@ re-entered if the holder still holds it (a lease is renewed first, in one
 statement that also checks it is still the holder's, or found lost) or
 tried, until one is busy; what the walk
 took is given back, all or none, when it fails or raises (a cancelled task
-included).
+included). A walk that cannot reach the database (a fail-over, a restart)
+is walked again after a pause, until the acquire's deadline
+(:meth:`Attempt.ride_out`): the one place where an acquire waits for its
+database to come back.
 
 :meth:`Attempt.take` is that walk, written once. It acts on the call's
 :class:`~django_dlock.options.Options` and the holder, handed down by the
