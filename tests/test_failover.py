@@ -531,9 +531,11 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
         except dlock.DLockError as exc:
             results[n] = {"acquired": exc, "began": began, "returned": time.monotonic()}
             return
-        results[n] = {"acquired": acquired, "began": began, "returned": time.monotonic()}
+        got = {"acquired": acquired, "began": began, "returned": time.monotonic()}
         if acquired:
-            results[n].update(owned=lk.owned(), token=lk._holdings()[0].request.token)
+            got.update(owned=lk.owned(), token=lk._holdings()[0].request.token)
+        results[n] = got  # (whole: the test thread reads it once it is there)
+        if acquired:
             done.wait(60)
             lk.release()
 
@@ -548,14 +550,15 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
     def waiter(strategy: str) -> None:
         lk = dlock.lock(f"rideout:queued:{strategy}", using=RIDEOUT, strategy=strategy)
         try:
-            queued[strategy] = lk.acquire(timeout=10)
+            acquired = lk.acquire(timeout=10)
         except dlock.DLockError as exc:
-            queued[strategy] = exc
+            queued[strategy] = {"acquired": exc}
             return
-        queued[f"{strategy} returned"] = time.monotonic()
-        if queued[strategy]:
-            queued[f"{strategy} owned"] = lk.owned()
+        got = {"acquired": acquired, "returned": time.monotonic()}
+        if acquired:
+            got["owned"] = lk.owned()
             lk.release()
+        queued[strategy] = got  # (whole: the test thread reads it once it is there)
 
     threads = [
         threading.Thread(target=_closing(client), args=(n, *spec)) for n, spec in enumerate(clients)
@@ -602,8 +605,8 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
         wait_until(lambda: len(results) == len(clients), timeout=60)
         wait_until(lambda: all(strategy in queued for strategy in holding), timeout=60)
         for strategy in holding:
-            assert queued[strategy] is True, (strategy, queued)
-            assert queued[f"{strategy} owned"] is True, strategy
+            assert queued[strategy]["acquired"] is True, (strategy, queued)
+            assert queued[strategy]["owned"] is True, strategy
 
         for n, (alias, strategy, _) in enumerate(clients):
             got = results[n]
@@ -631,7 +634,7 @@ def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
         for strategy in holding:
             print(
                 f"rideout queued {strategy}: returned "
-                f"{queued[f'{strategy} returned'] - released:.3f}s after the release"
+                f"{queued[strategy]['returned'] - released:.3f}s after the release"
             )
     finally:
         start.set()
@@ -651,10 +654,11 @@ async def _hold_async(
     except dlock.DLockError as exc:
         results[n] = {"acquired": exc, "began": began, "returned": time.monotonic()}
         return
-    results[n] = {"acquired": acquired, "began": began, "returned": time.monotonic()}
+    got = {"acquired": acquired, "began": began, "returned": time.monotonic()}
     if acquired:
-        holder = lk._holdings()[0]
-        results[n].update(owned=await lk.aowned(), token=holder.request.token)
+        got.update(owned=await lk.aowned(), token=lk._holdings()[0].request.token)
+    results[n] = got  # (whole: the test thread reads it once it is there)
+    if acquired:
         await asyncio.to_thread(done.wait, 60)
         await lk.arelease()
 
