@@ -552,9 +552,11 @@ class Lock(Generic[_OnFailT]):
         :meth:`wait` does (``False``: the place is given up).
 
         Raises:
-            DatabaseUnavailable: the database could not be reached; the lock
-                is not acquired (see "When the database cannot be reached"
-                in the strategies documentation for what may be left).
+            DatabaseUnavailable: the database could not be reached, and
+                with a timeout still not when it ended (until then the call
+                keeps trying to reconnect); the lock is not acquired (see
+                "When the database cannot be reached" in the strategies
+                documentation for what may be left).
         """
         if _get_running_loop() is not None:
             _refuse_in_event_loop(self, "acquire() (or a `with` block)", "`await lk.aacquire()`")

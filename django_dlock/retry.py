@@ -45,6 +45,21 @@ class Deadline:
         return time.monotonic() - self.start
 
 
+#: the first pause before an acquire tries again to reach a database that is away
+OUTAGE_FIRST_PAUSE = 0.05
+#: the longest pause between two tries to reach a database that is away
+OUTAGE_MAX_PAUSE = 1.0
+
+
+def outage_pause(attempt: int) -> float:
+    """Seconds to wait before try number ``attempt`` (0-based) to reach a
+    database that is away: 50 ms, doubling up to a second, with ±20 %
+    jitter so that the clients of a database that fails over do not all
+    reconnect in step."""
+    base = min(OUTAGE_MAX_PAUSE, OUTAGE_FIRST_PAUSE * 2.0 ** min(attempt, 16))
+    return min(OUTAGE_MAX_PAUSE, base * random.uniform(0.8, 1.2))
+
+
 def interval(policy: RetryInterval, attempt: int) -> float:
     """Seconds to wait before retry number ``attempt`` (0-based)."""
     if callable(policy):

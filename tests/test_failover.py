@@ -26,12 +26,18 @@ not change, its connections drop and reconnect.
   row, each standby having missed the old primary's last WAL, and after a
   standby that never followed the newest timeline is promoted and gives its
   timeline an ID already used.
+* An acquire with a timeout that starts during a switchover rides it out,
+  through the switch and through a libpq multi-host DSN
+  (``target_session_attrs=read-write``), and returns the lock held on the
+  new primary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,6 +66,8 @@ SYNC, ASYNC, LEADER = "failover_sync", "failover_async", "failover_leader"
 PLANNED = "failover_planned"
 XACT = "failover_xact"
 CHAIN, REUSE = "failover_chain", "failover_reuse"
+#: one database of a pair, reached through the switch and through a multi-host DSN
+RIDEOUT, RIDEOUT_HOSTS = "failover_rideout", "failover_rideout_hosts"
 DATABASE = "dlock_failover"
 
 
@@ -199,6 +207,27 @@ def chain(django_db_blocker):
 def reuse_chain(django_db_blocker):
     with _chain(REUSE, django_db_blocker) as made:
         yield made
+
+
+@pytest.fixture(scope="module")
+def rideout_pair(django_db_blocker):
+    with _pair(RIDEOUT, False, django_db_blocker) as pair:
+        # The same database as a libpq multi-host DSN: the primary, then the
+        # standby; libpq connects to whichever one accepts writes.
+        settings = dict(connections.settings[RIDEOUT])
+        settings.update(
+            HOST="127.0.0.1,127.0.0.1",
+            PORT=f"{pair.primary.port},{pair.new_primary.port}",
+            OPTIONS={**settings.get("OPTIONS", {}), "target_session_attrs": "read-write"},
+        )
+        connections.settings[RIDEOUT_HOSTS] = settings
+        try:
+            yield pair
+        finally:
+            with django_db_blocker.unblock():
+                connections[RIDEOUT_HOSTS].close()
+            del connections[RIDEOUT_HOSTS]
+            del connections.settings[RIDEOUT_HOSTS]
 
 
 @pytest.fixture
@@ -598,3 +627,183 @@ def test_a_timeline_id_used_twice_never_repeats_a_fence(reuse_chain):
     fences.round()
     for key, numbers in fences.per_key.items():
         assert numbers == sorted(set(numbers)), (key, numbers)
+
+
+#: how long the switchover lasts (the old primary stopped, nothing accepts
+#: writes), and when in it the acquires start
+SWITCHOVER, STARTS_AFTER = 2.0, 0.5
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", RIDEOUT, RIDEOUT_HOSTS])
+def test_an_acquire_that_starts_during_a_switchover_rides_it_out(rideout_pair):
+    pair = rideout_pair
+    clients = [
+        (RIDEOUT, "lease", False),  # through the switch (a virtual IP)
+        (RIDEOUT, "advisory", False),
+        (RIDEOUT_HOSTS, "lease", False),  # host=a,b target_session_attrs=read-write
+        (RIDEOUT_HOSTS, "lease", True),  # aacquire()
+    ]
+    start, done = threading.Event(), threading.Event()
+    results: dict[int, dict[str, Any]] = {}
+    ready = threading.Barrier(len(clients) + 1)
+
+    def client(n: int, alias: str, strategy: str, run_async: bool) -> None:
+        # Connected before the switchover: its connection (or advisory
+        # session) dies with the old primary.
+        warm = dlock.lock(f"rideout:warm:{n}", using=alias, strategy=strategy)
+        with warm:
+            pass
+        ready.wait(60)
+        start.wait(60)
+        lk = dlock.lock(f"rideout:{n}", using=alias, strategy=strategy)
+        began = time.monotonic()
+        if run_async:
+            asyncio.run(_hold_async(lk, began, results, n, done))
+            return
+        try:
+            acquired = lk.acquire(timeout=10)
+        except dlock.DLockError as exc:
+            results[n] = {"acquired": exc, "began": began, "returned": time.monotonic()}
+            return
+        got = {"acquired": acquired, "began": began, "returned": time.monotonic()}
+        if acquired:
+            got.update(owned=lk.owned(), token=lk._holdings()[0].request.token)
+        results[n] = got  # (whole: the test thread reads it once it is there)
+        if acquired:
+            done.wait(60)
+            lk.release()
+
+    # Waiters already in the queue when the switchover begins: for keys this
+    # thread holds, and releases once the new primary accepts writes.
+    queued: dict[str, Any] = {}
+    holding = {
+        strategy: dlock.lock(f"rideout:queued:{strategy}", using=RIDEOUT, strategy=strategy)
+        for strategy in ("lease", "advisory")
+    }
+
+    def waiter(strategy: str) -> None:
+        lk = dlock.lock(f"rideout:queued:{strategy}", using=RIDEOUT, strategy=strategy)
+        try:
+            acquired = lk.acquire(timeout=10)
+        except dlock.DLockError as exc:
+            queued[strategy] = {"acquired": exc}
+            return
+        got = {"acquired": acquired, "returned": time.monotonic()}
+        if acquired:
+            got["owned"] = lk.owned()
+            lk.release()
+        queued[strategy] = got  # (whole: the test thread reads it once it is there)
+
+    threads = [
+        threading.Thread(target=_closing(client), args=(n, *spec)) for n, spec in enumerate(clients)
+    ]
+    threads += [threading.Thread(target=_closing(waiter), args=(s,)) for s in holding]
+    for lk in holding.values():
+        assert lk.acquire(timeout=0)
+    for thread in threads:
+        thread.start()
+    try:
+        ready.wait(60)
+        wait_until(
+            lambda: (
+                pair.primary.sql(
+                    "SELECT count(*) FROM django_dlock_waiter WHERE name = %s",
+                    "lock:rideout:queued:lease",
+                    dbname=DATABASE,
+                )
+                == [(1,)]
+            )
+        )
+        wait_until(
+            lambda: (
+                pair.primary.sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                )
+                == [(1,)]
+            )
+        )
+        stopped = time.monotonic()
+        pair.primary.stop()  # a planned switchover: nothing accepts writes from here
+        time.sleep(max(0.0, stopped + STARTS_AFTER - time.monotonic()))
+        start.set()
+        time.sleep(max(0.0, stopped + SWITCHOVER - time.monotonic()))
+        pair.new_primary.promote()
+        promoted = time.monotonic()
+        assert pair.switch is not None
+        pair.switch.point_to(pair.new_primary.port)
+        moved = time.monotonic()
+        for lk in holding.values():  # (advisory: its session died with the old primary)
+            with contextlib.suppress(dlock.LockLost):
+                lk.release()
+        released = time.monotonic()
+        wait_until(lambda: len(results) == len(clients), timeout=60)
+        wait_until(lambda: all(strategy in queued for strategy in holding), timeout=60)
+        for strategy in holding:
+            assert queued[strategy]["acquired"] is True, (strategy, queued)
+            assert queued[strategy]["owned"] is True, strategy
+
+        for n, (alias, strategy, _) in enumerate(clients):
+            got = results[n]
+            assert got["acquired"] is True, (alias, strategy, got)
+            assert got["owned"] is True, (alias, strategy)
+            assert got["returned"] - got["began"] < 10  # within the timeout
+            # Held on the new primary: another holder cannot take it there.
+            assert _try(f"rideout:{n}", alias, strategy=strategy) is None, (alias, strategy)
+        for n, (_, strategy, _) in enumerate(clients):
+            if strategy == "lease":
+                rows = pair.new_primary.sql(
+                    "SELECT token FROM django_dlock_lock WHERE name = %s",
+                    f"lock:rideout:{n}",
+                    dbname=DATABASE,
+                )
+                assert rows == [(results[n]["token"],)], rows
+        # (what the report gives: how long after the database came back each returned)
+        for n, (alias, strategy, run_async) in enumerate(clients):
+            back = moved if alias == RIDEOUT else promoted
+            print(
+                f"rideout {alias} {strategy}{' async' if run_async else ''}: began "
+                f"{results[n]['began'] - stopped:.2f}s into the switchover, returned "
+                f"{results[n]['returned'] - back:.3f}s after the database was back"
+            )
+        for strategy in holding:
+            print(
+                f"rideout queued {strategy}: returned "
+                f"{queued[strategy]['returned'] - released:.3f}s after the release"
+            )
+    finally:
+        start.set()
+        done.set()
+        for thread in threads:
+            thread.join(60)
+        for alias in (RIDEOUT, RIDEOUT_HOSTS):  # (this thread's died with the old primary)
+            connections[alias].close()
+
+
+async def _hold_async(
+    lk: dlock.Lock, began: float, results: dict[int, Any], n: int, done: threading.Event
+) -> None:
+    """The async client of the switchover: one task acquires, holds and releases."""
+    try:
+        acquired = await lk.aacquire(timeout=10)
+    except dlock.DLockError as exc:
+        results[n] = {"acquired": exc, "began": began, "returned": time.monotonic()}
+        return
+    got = {"acquired": acquired, "began": began, "returned": time.monotonic()}
+    if acquired:
+        got.update(owned=await lk.aowned(), token=lk._holdings()[0].request.token)
+    results[n] = got  # (whole: the test thread reads it once it is there)
+    if acquired:
+        await asyncio.to_thread(done.wait, 60)
+        await lk.arelease()
+
+
+def _closing(func: Any) -> Any:
+    """``func``, run in a thread that closes its connections when it ends."""
+
+    def run(*args: Any) -> None:
+        try:
+            func(*args)
+        finally:
+            connections.close_all()
+
+    return run

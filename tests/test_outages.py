@@ -2,7 +2,8 @@
 
 Runs on a private PostgreSQL cluster created by the test module (never the
 shared service). A call that cannot reach the database raises
-``DatabaseUnavailable`` with the driver's error chained, on every strategy;
+``DatabaseUnavailable`` with the driver's error chained, on every strategy
+(an acquire with a timeout once it has kept trying until its timeout);
 a grant after a release that could not reach the database gets a new
 fencing number; and fencing numbers never repeat across a crash of the
 server, also those drawn for locks held in the caller's transaction.
@@ -10,7 +11,9 @@ server, also those drawn for locks held in the caller's transaction.
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
 import pytest
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
@@ -79,15 +82,72 @@ def test_lease_calls_raise_database_unavailable_while_the_server_is_down(server)
     assert held.locked()
 
 
-def test_an_acquire_that_starts_during_an_outage_raises_database_unavailable_at_once(server):
-    # Documented (High availability): the timeout is for other holders, not
-    # for the database to come back; retrying is the caller's policy.
+def test_a_try_once_during_an_outage_raises_database_unavailable_at_once(server, caplog):
     server.stop()
-    started = time.monotonic()
     with pytest.raises(dlock.DatabaseUnavailable) as caught:
-        dlock.lock("outage-starts", using=ALIAS).acquire(timeout=10)
+        dlock.lock("outage-once", using=ALIAS).acquire(timeout=0)
     _unavailable(caught)
-    assert time.monotonic() - started < 10  # not the timeout: at once
+    with pytest.raises(dlock.DatabaseUnavailable) as caught:
+        dlock.lock("outage-once", using=ALIAS, strategy="advisory").acquire(blocking=False)
+    assert caught.value.__cause__ is not None
+    assert "trying again" not in caplog.text  # one try, no second
+
+
+@pytest.mark.parametrize("strategy", ["lease", "advisory"])
+def test_an_acquire_whose_timeout_ends_during_the_outage_raises_database_unavailable(
+    server, strategy
+):
+    # It kept trying to reach the database until its timeout; the database's
+    # error, not a LockTimeout, says why it has no lock.
+    server.stop()
+    lk = dlock.lock("outage-ends", using=ALIAS, strategy=strategy, timeout=1)
+    started = time.monotonic()
+    with pytest.raises(dlock.DatabaseUnavailable) as caught, lk:
+        pass
+    assert time.monotonic() - started >= 1
+    assert not isinstance(caught.value, dlock.LockTimeout)
+    assert caught.value.__cause__ is not None
+    assert ALIAS in str(caught.value)
+
+
+def test_an_acquire_that_starts_during_an_outage_rides_out_a_restart(server):
+    server.stop()
+    got: dict[str, bool] = {}
+
+    def take(strategy: str, timeout: float | None) -> None:
+        lk = dlock.lock(f"outage-rides-{strategy}", using=ALIAS, strategy=strategy)
+        got[strategy] = lk.acquire(timeout=timeout)
+        if got[strategy]:
+            got[f"{strategy} owned"] = lk.owned()
+            lk.release()
+
+    # (timeout=None: waiting forever rides out an outage of any length)
+    threads = [
+        threading.Thread(target=_closing(take), args=args, daemon=True)
+        for args in (("lease", None), ("advisory", 30))
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(1)  # both are trying to reach the stopped server
+    assert got == {}
+    server.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert got == {"lease": True, "lease owned": True, "advisory": True, "advisory owned": True}
+
+
+def _closing(func: Any) -> Any:
+    """``func``, run in a thread that closes its connections when it ends."""
+
+    def run(*args: Any) -> None:
+        try:
+            func(*args)
+        finally:
+            close_private_connections()
+            connections.close_all()
+
+    return run
 
 
 def test_the_first_lock_statement_of_a_process_during_an_outage(server):

@@ -4,6 +4,7 @@ kept in memory: no database, so these run in a second."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock.acquiring import Attempt
 from django_dlock.conf import RetryInterval
-from django_dlock.exceptions import LockReentrantError
+from django_dlock.exceptions import DatabaseUnavailable, LockReentrantError
 from django_dlock.identity import current_holder
 from django_dlock.keys import Key, make_key
 from django_dlock.options import Options
@@ -38,6 +39,11 @@ class MemoryStrategy:
     calls: list[tuple[str, str]] = field(default_factory=list)
     #: key names whose acquire raises :class:`Refused`
     failing: set[str] = field(default_factory=set)
+    #: the database is away for this many more acquire calls (each raises
+    #: DatabaseUnavailable, and so does a release meanwhile)
+    away_for: int = 0
+    #: keys whose acquire is answered by a database that is away
+    away_keys: set[str] | None = None
 
     def ended(self, req: Request) -> bool:
         return False
@@ -59,6 +65,9 @@ class MemoryStrategy:
         self.calls.append(("acquire", name))
         if name in self.failing:
             raise Refused(name)
+        if self.away_for and (self.away_keys is None or name in self.away_keys):
+            self.away_for -= 1
+            raise DatabaseUnavailable(f"database 'default' could not be reached ({name})")
         if self.held.get(name, req.token) != req.token:
             return None
         self.held[name] = req.token
@@ -67,6 +76,8 @@ class MemoryStrategy:
 
     def release(self, req: Request) -> bool:
         self.calls.append(("release", req.key.name))
+        if self.away_for:
+            raise DatabaseUnavailable("database 'default' could not be reached")
         return self.held.pop(req.key.name, None) == req.token
 
     def extend(self, req: Request, ttl: float) -> bool:
@@ -113,9 +124,11 @@ def _options(strategy: MemoryStrategy, *names: str) -> Options:
     )
 
 
-def _walk(strategy: MemoryStrategy, *names: str) -> tuple[Attempt, Request | None]:
+def _walk(
+    strategy: MemoryStrategy, *names: str, timeout: float | None = 0
+) -> tuple[Attempt, Request | None]:
     opts = _options(strategy, *names)
-    attempt = Attempt(opts, current_holder(), Deadline(0))
+    attempt = Attempt(opts, current_holder(), Deadline(timeout))
     return attempt, attempt.run(opts.keys)
 
 
@@ -175,4 +188,92 @@ def test_a_holder_that_may_not_re_enter_is_refused_and_keeps_one_level(memory):
     holding = current_holder().holdings[("default", "memory", "lock:a")]
     assert holding.count == 1
     first.undo()
+    assert memory.held == {}
+
+
+# -- an acquire that starts while the database is away -------------------------
+
+
+def test_an_acquire_with_a_timeout_rides_out_an_outage(memory):
+    memory.away_for = 3
+    attempt, busy = _walk(memory, "a", timeout=10)
+    assert busy is None
+    assert memory.calls == [("acquire", "lock:a")] * 4
+    assert memory.held == {"lock:a": current_holder().token()}
+    attempt.undo()
+
+
+def test_a_try_once_raises_at_once(memory):
+    memory.away_for = 3
+    with pytest.raises(DatabaseUnavailable):
+        _walk(memory, "a", timeout=0)
+    assert memory.calls == [("acquire", "lock:a")]
+
+
+def test_the_outage_error_is_raised_at_the_deadline(memory):
+    memory.away_for = 10**6
+    started = time.monotonic()
+    with pytest.raises(DatabaseUnavailable):
+        _walk(memory, "a", timeout=0.3)
+    assert time.monotonic() - started >= 0.3
+    # backing off: a few tries, not a busy loop
+    assert 2 <= len(memory.calls) <= 8, memory.calls
+
+
+def test_a_lock_of_the_callers_transaction_raises_at_once(memory):
+    memory.transaction_scoped = True
+    memory.away_for = 3
+    with pytest.raises(DatabaseUnavailable):
+        _walk(memory, "a", timeout=10)
+    assert memory.calls == [("acquire", "lock:a")]
+
+
+def test_an_outage_in_the_middle_of_a_walk_walks_every_key_again(memory):
+    # "a" was taken before the database went away: it is given back (the
+    # release fails too, and the holding is forgotten), and the walk starts
+    # again from "a", so every key is taken after the outage.
+    memory.away_keys = {"lock:b"}
+    memory.away_for = 1
+    attempt, busy = _walk(memory, "a", "b", timeout=10)
+    assert busy is None
+    assert memory.calls == [
+        ("acquire", "lock:a"),
+        ("acquire", "lock:b"),
+        ("release", "lock:a"),
+        ("acquire", "lock:a"),
+        ("acquire", "lock:b"),
+    ]
+    assert [key.name for key in attempt.taken] == ["lock:a", "lock:b"]
+    holding = current_holder().holdings[("default", "memory", "lock:a")]
+    assert holding.count == 1
+    attempt.undo()
+    assert memory.held == {}
+
+
+def test_keys_held_before_the_walk_stay_held_through_an_outage(memory):
+    # wait() after enqueue(): the keys before the queued one were taken
+    # earlier; an outage while taking the rest walks only the rest again.
+    first, _ = _walk(memory, "a")
+    memory.away_for = 1
+    opts = _options(memory, "a", "b")
+    attempt = Attempt(opts, current_holder(), Deadline(10), opts.keys[:1])
+    assert attempt.run(opts.keys[1:]) is None
+    assert memory.calls == [("acquire", "lock:a"), ("acquire", "lock:b"), ("acquire", "lock:b")]
+    attempt.undo()
+    assert memory.held == {}
+
+
+def test_the_async_walk_rides_out_an_outage_too(memory):
+    memory.away_for = 2
+    opts = _options(memory, "a")
+
+    async def walk() -> Request | None:
+        attempt = Attempt(opts, current_holder(), Deadline(10))
+        busy = await attempt.arun(opts.keys)
+        assert memory.held == {"lock:a": current_holder().token()}
+        await attempt.aundo()
+        return busy
+
+    assert asyncio.run(walk()) is None
+    assert memory.calls == [("acquire", "lock:a")] * 3 + [("release", "lock:a")]
     assert memory.held == {}

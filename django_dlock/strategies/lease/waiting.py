@@ -35,7 +35,7 @@ from django_dlock import acquire_notes, notify
 from django_dlock._threads import start_db_thread
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable
-from django_dlock.retry import Deadline, interval
+from django_dlock.retry import OUTAGE_MAX_PAUSE, Deadline, interval, outage_pause
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import psycopg3
@@ -102,7 +102,7 @@ MAX_PARK = 2.0
 EXPIRY_MARGIN = 0.005
 
 #: longest pause between looks while the database is unreachable
-MAX_OUTAGE_PAUSE = 1.0
+MAX_OUTAGE_PAUSE = OUTAGE_MAX_PAUSE
 
 # One step of the waiting plan: ("look" | "try" | "sleep", seconds to sleep)
 Step = tuple[str, float]
@@ -235,11 +235,13 @@ def plan(
     lease, the deadline, or a quarter of the ticket's own lease.
 
     A waiter rides out an outage of the database (a restart, a dropped
-    connection): it backs off and looks again until its deadline, and
-    then raises :class:`~django_dlock.DatabaseUnavailable` rather than
-    report a timeout.
+    connection): it backs off as an acquire that starts during an outage
+    does (:func:`~django_dlock.retry.outage_pause`) and looks again until
+    its deadline, and then raises :class:`~django_dlock.DatabaseUnavailable`
+    rather than report a timeout.
     """
     attempt = 0
+    outages = 0  # (looks in a row that could not reach the database)
     woken = False
     while True:
         # Woken by a NOTIFY addressed to this ticket: try at once.
@@ -253,11 +255,12 @@ def plan(
         if isinstance(look, Outage):
             if deadline.expired():
                 raise look.error
-            pause = min(MAX_OUTAGE_PAUSE, max(0.05, interval(policy, attempt)))
-            yield ("sleep", min(pause, deadline.remaining()))
+            yield ("sleep", min(outage_pause(outages), deadline.remaining()))
+            outages += 1
             attempt += 1
             woken = False
             continue
+        outages = 0
         if deadline.expired():
             return None
         left = look.left
