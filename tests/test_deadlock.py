@@ -1,0 +1,226 @@
+"""Deadlock detection between lease waiters, with real processes, on all three databases.
+
+Each member of a cycle takes its first key, says so in a file, waits until
+every member holds its first key, then asks for the next member's key with
+``timeout=None``: without detection they would wait forever. Exactly one
+(the last to begin waiting) must get ``LockDeadlock``, and the others their
+lock. The members report in files what they got; nothing is inferred from
+clocks, but the bound the feature promises (told within 2 s) is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.test import override_settings
+
+import django_dlock as dlock
+from django_dlock.strategies.lease import deadlock
+from django_dlock.strategies.lease.deadlock import Graph, Ticket, cycles, victim_cycle
+
+from . import procs
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
+
+
+def _member(alias: str, mine: str, wanted: str, ready: str, members: int, out: str) -> None:
+    """Hold ``mine``, wait until all members hold theirs, then wait for ``wanted``."""
+    flags = Path(ready)
+    result: dict[str, object] = {"key": mine}
+    with dlock.lock(mine, using=alias, ttl=60, timeout=30):
+        (flags / mine).touch()
+        deadline = time.monotonic() + 60
+        while len(list(flags.iterdir())) < members and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started = time.monotonic()
+        try:
+            with dlock.lock(wanted, using=alias, ttl=60, timeout=None):
+                result["got"] = wanted
+        except dlock.LockDeadlock as exc:
+            result["deadlock"] = {
+                "after": time.monotonic() - started,
+                "keys": list(exc.keys),
+                "holders": list(exc.holders),
+                "message": str(exc),
+                "timeout": isinstance(exc, dlock.LockTimeout),
+            }
+    Path(out).write_text(json.dumps(result))
+
+
+def _cycle(alias: str, tmp_path: Path, size: int) -> list[dict]:
+    keys = [f"cycle{size}-{i}" for i in range(size)]
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    outs = [tmp_path / f"out{i}.json" for i in range(size)]
+    started = [
+        procs.start(_member, alias, keys[i], keys[(i + 1) % size], str(ready), size, str(outs[i]))
+        for i in range(size)
+    ]
+    for proc in started:
+        proc.join(90)
+    for proc in started:
+        if proc.is_alive():
+            proc.kill()
+            raise AssertionError("a member of the cycle still waits: no deadlock was reported")
+        assert proc.exitcode == 0
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.mark.slow
+def test_two_processes_in_opposite_orders(alias, tmp_path):
+    results = _cycle(alias, tmp_path, 2)
+    told = [r for r in results if "deadlock" in r]
+    assert len(told) == 1, results
+    (loser,) = told
+    (winner,) = [r for r in results if "deadlock" not in r]
+    assert winner["got"] == loser["key"]  # it got the loser's key once the loser left
+    error = loser["deadlock"]
+    assert error["after"] < 2.0, error  # the bound the feature promises
+    assert error["timeout"]  # a LockTimeout: existing handlers keep working
+    names = {f"lock:{r['key']}" for r in results}
+    assert set(error["keys"]) == names
+    assert len(error["holders"]) == 2 and all("pid=" in h for h in error["holders"])
+
+
+@pytest.mark.slow
+def test_a_cycle_of_three_processes(alias, tmp_path):
+    results = _cycle(alias, tmp_path, 3)
+    told = [r for r in results if "deadlock" in r]
+    assert len(told) == 1, results
+    assert len(told[0]["deadlock"]["keys"]) == 3
+    assert all("got" in r for r in results if "deadlock" not in r)
+
+
+# -- no false deadlock: many processes, four keys, always taken in one order ---------
+
+
+def _contender(alias: str, seconds: float, seed: int, out: str) -> None:
+    """Take ascending subsets of four keys, nested, until ``seconds`` have passed."""
+    rng = random.Random(seed)
+    keys = [f"order-{i}" for i in range(4)]
+    rounds = deadlocks = 0
+    end = time.monotonic() + seconds
+    with override_settings(DLOCK_DEADLOCK_TIMEOUT=0.2):  # look often: more chances to err
+        while time.monotonic() < end:
+            chosen = sorted(rng.sample(keys, rng.randint(1, 4)))
+            try:
+                _nested(alias, chosen, rng)
+            except dlock.LockDeadlock:
+                deadlocks += 1
+            rounds += 1
+    Path(out).write_text(
+        json.dumps({"rounds": rounds, "deadlocks": deadlocks, "checks": deadlock.stats.checks})
+    )
+
+
+def _nested(alias: str, keys: list[str], rng: random.Random) -> None:
+    if not keys:
+        time.sleep(rng.uniform(0, 0.01))
+        return
+    with dlock.lock(keys[0], using=alias, ttl=60, timeout=None, retry_interval=0.02):
+        _nested(alias, keys[1:], rng)
+
+
+#: (processes, seconds) per database: the minute on PostgreSQL only, to keep CI short
+#: (SQLite's one writer carries 8 busy processes, not 16, without starving them)
+_LOAD = {"default": (16, 60.0), "mysql": (16, 10.0), "sqlite": (8, 10.0)}
+
+
+@pytest.mark.slow
+def test_no_false_deadlock_when_keys_are_taken_in_one_order(alias, tmp_path):
+    count, seconds = _LOAD[alias]
+    outs = [tmp_path / f"out{i}.json" for i in range(count)]
+    procs.run_all(
+        _contender,
+        [(alias, seconds, i, str(out)) for i, out in enumerate(outs)],
+        timeout=seconds + 240,
+    )
+    results = [json.loads(out.read_text()) for out in outs]
+    assert sum(r["deadlocks"] for r in results) == 0, results
+    assert sum(r["checks"] for r in results) > 0  # the waiters did look (else: proves nothing)
+    assert all(r["rounds"] > 0 for r in results)
+
+
+# -- the graph, without a database ------------------------------------------------------
+
+
+def _graph(tickets: list[tuple[int, str, str]], holders: dict[str, set[str]]) -> Graph:
+    return Graph(
+        tickets=[Ticket(n, name, token) for n, name, token in tickets],
+        holders=holders,
+        owners={t: f"owner {t}" for ts in holders.values() for t in ts},
+    )
+
+
+def test_only_the_youngest_waiter_of_a_cycle_is_told():
+    graph = _graph([(1, "a", "B"), (2, "b", "A")], {"a": {"A"}, "b": {"B"}})
+    assert victim_cycle(graph, 1) is None
+    cycle = victim_cycle(graph, 2)
+    assert cycle is not None and cycle.keys == ("b", "a") and cycle.victim == 2
+    assert cycle.holders == ("owner B", "owner A")
+    assert [c.victim for c in cycles(graph)] == [2]
+
+
+def test_a_waiter_queued_behind_a_cycle_is_not_told():
+    graph = _graph([(1, "a", "B"), (2, "b", "A"), (3, "a", "C")], {"a": {"A"}, "b": {"B"}})
+    assert victim_cycle(graph, 3) is None
+    assert victim_cycle(graph, 2) is not None
+
+
+def test_a_ticket_ahead_in_the_queue_is_waited_for():
+    # A holds "b" and waits for "k" (held by C), B is queued behind A for "k"
+    # and C waits for "b": B waits for A, who waits for C, who waits for A.
+    graph = _graph([(1, "k", "A"), (2, "k", "B"), (3, "b", "C")], {"k": {"C"}, "b": {"A"}})
+    cycle = victim_cycle(graph, 3)
+    assert cycle is not None and set(cycle.keys) == {"k", "b"}
+    assert victim_cycle(graph, 2) is None  # behind the cycle, not on it
+
+
+def test_a_holder_with_a_place_that_can_be_served_is_not_stuck():
+    # A keeps a place (enqueue(), ticket 1) on the free key "k" and waits for
+    # "b" (ticket 2), held by B, who is queued behind A's place: a token with
+    # one place that can be served counts as able to go on (which may miss a
+    # deadlock through such a place, never report a false one)
+    graph = _graph([(1, "k", "A"), (2, "b", "A"), (3, "k", "B")], {"b": {"B"}})
+    assert victim_cycle(graph, 3) is None
+
+
+def test_a_semaphore_waiter_needs_every_permit_holder_stuck():
+    # permits held by A and C; A waits for "x" held by B, B waits for the semaphore
+    sem = "semaphore:s"
+    graph = _graph([(1, "x", "A"), (2, sem, "B")], {"x": {"B"}, sem: {"A", "C"}})
+    assert victim_cycle(graph, 2) is None  # C is free: it will give a permit back
+    graph = _graph([(1, "x", "A"), (2, sem, "B")], {"x": {"B"}, sem: {"A"}})
+    assert victim_cycle(graph, 2) is not None
+
+
+def test_no_cycle_in_one_order():
+    graph = _graph([(1, "a", "B"), (2, "b", "C"), (3, "a", "C")], {"a": {"A"}, "b": {"B"}})
+    assert cycles(graph) == []
+    assert all(victim_cycle(graph, n) is None for n in (1, 2, 3))
+
+
+def test_detection_runs_only_in_waiters_past_the_bound(alias):
+    before = deadlock.stats.checks
+    lk = dlock.lock("uncontended", using=alias)
+    for _ in range(20):
+        with lk:
+            pass
+    assert deadlock.stats.checks == before  # nothing on an uncontended lock
+    got: list[bool] = []
+    with (
+        dlock.lock("briefly-held", using=alias, ttl=30),
+        override_settings(DLOCK_DEADLOCK_TIMEOUT=0.1),
+    ):
+        waiter = threading.Thread(
+            target=lambda: got.append(dlock.lock("briefly-held", using=alias).acquire(timeout=0.6))
+        )
+        waiter.start()
+        waiter.join()
+    assert got == [False]
+    assert deadlock.stats.checks > before
