@@ -127,8 +127,7 @@ def _nested(alias: str, keys: list[str], rng: random.Random) -> None:
 
 
 #: (processes, seconds) per database: the minute on PostgreSQL only, to keep CI short
-#: (SQLite's one writer carries 8 busy processes, not 16, without starving them)
-_LOAD = {"default": (16, 60.0), "mysql": (16, 10.0), "sqlite": (8, 10.0)}
+_LOAD = {"default": (16, 60.0), "mysql": (16, 10.0), "sqlite": (16, 10.0)}
 
 
 @pytest.mark.slow
@@ -224,3 +223,70 @@ def test_detection_runs_only_in_waiters_past_the_bound(alias):
         waiter.join()
     assert got == [False]
     assert deadlock.stats.checks > before
+
+
+# -- PostgreSQL's own detection: advisory locks -------------------------------------------
+
+
+def _opposite_threads(take) -> list[object]:
+    """Two threads take "a" then "b" and "b" then "a" through ``take(first,
+    second, barrier)``; what each got (a key, or the error)."""
+    barrier = threading.Barrier(2)
+    results: list[object] = [None, None]
+
+    def run(index: int, first: str, second: str) -> None:
+        try:
+            results[index] = take(first, second, barrier)
+        except Exception as exc:
+            results[index] = exc
+        finally:
+            from django.db import connections
+
+            connections.close_all()
+
+    threads = [
+        threading.Thread(target=run, args=(0, "adv-a", "adv-b")),
+        threading.Thread(target=run, args=(1, "adv-b", "adv-a")),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "still waiting: no deadlock"
+    return results
+
+
+def _told_once(results: list[object]) -> dlock.LockDeadlock:
+    errors = [r for r in results if isinstance(r, dlock.LockDeadlock)]
+    assert len(errors) == 1, results
+    assert [r for r in results if not isinstance(r, Exception)] != [], results
+    (error,) = errors
+    assert isinstance(error, dlock.LockTimeout)
+    assert "deadlock" in str(error) and error.keys and error.keys[0].startswith("lock:adv-")
+    assert len(error.holders) == 2  # the two backends of the cycle
+    return error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_advisory_deadlock_is_a_lock_deadlock():
+    def take(first: str, second: str, barrier: threading.Barrier) -> str:
+        with dlock.lock(first, strategy="advisory", timeout=30):
+            barrier.wait(30)
+            with dlock.lock(second, strategy="advisory", timeout=None):
+                return second
+
+    _told_once(_opposite_threads(take))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_advisory_xact_deadlock_is_a_lock_deadlock():
+    from django.db import transaction
+
+    def take(first: str, second: str, barrier: threading.Barrier) -> str:
+        with transaction.atomic():
+            dlock.lock(first, strategy="advisory_xact").acquire(timeout=30)
+            barrier.wait(30)
+            dlock.lock(second, strategy="advisory_xact").acquire(timeout=None)
+            return second
+
+    _told_once(_opposite_threads(take))
