@@ -24,6 +24,7 @@ from django_dlock.strategies.lease import deadlock
 from django_dlock.strategies.lease.deadlock import Graph, Ticket, cycles, victim_cycle
 
 from . import procs
+from .helpers import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "sqlite", "mysql"])
 
@@ -290,3 +291,79 @@ def test_an_advisory_xact_deadlock_is_a_lock_deadlock():
             return second
 
     _told_once(_opposite_threads(take))
+
+
+# -- who waits on whom shows a cycle as such ---------------------------------------------
+
+
+def test_who_waits_on_whom_shows_a_cycle(alias, settings, client):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    settings.DLOCK_DEADLOCK_TIMEOUT = 3600.0  # nobody is told while we look
+    barrier = threading.Barrier(3)
+    outcomes: list[object] = []
+
+    def member(first: str, second: str) -> None:
+        from django.db import connections
+
+        try:
+            with dlock.lock(first, using=alias, ttl=60, timeout=10):
+                barrier.wait(30)
+                outcomes.append(dlock.lock(second, using=alias).acquire(timeout=4))
+        except Exception as exc:
+            outcomes.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [
+        threading.Thread(target=member, args=("shown-a", "shown-b")),
+        threading.Thread(target=member, args=("shown-b", "shown-a")),
+    ]
+    for thread in threads:
+        thread.start()
+    barrier.wait(30)
+    from django_dlock import operations
+
+    wait_until(lambda: len(operations.deadlocks(alias)) == 1, timeout=30)
+    out = StringIO()
+    call_command("dlock_list", "--waiting", "--using", alias, stdout=out)
+    page = ""
+    if alias == "default":  # (the admin shows the lock database's)
+        from django.contrib.auth import get_user_model
+
+        client.force_login(get_user_model().objects.create_superuser("root", "r@example.com"))
+        page = client.get("/admin/django_dlock/lock/waiting/").content.decode()
+    for thread in threads:
+        thread.join(60)
+    # nobody was told: a timeout, then the other got its key (or timed out too)
+    assert sorted(outcomes, key=str) in ([False, False], [False, True]), outcomes
+    listed = out.getvalue()
+    assert listed.count("IN A DEADLOCK") == 2, listed
+    assert f"Deadlocks in {alias!r}: 1" in listed
+    assert "holds lock:shown-a, waits for lock:shown-b" in listed
+    assert "holds lock:shown-b, waits for lock:shown-a" in listed
+    assert "the youngest waiter, gives up with LockDeadlock" in listed
+    if alias == "default":
+        assert "dlock-deadlock-1" in page and page.count("dlock-cycle-step") == 2, page
+        assert page.count("in a deadlock") == 2
+
+
+def test_dlock_list_marks_a_lease_held_long(alias, settings):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    settings.DLOCK_LONG_HOLD = 0.5
+    with dlock.lock("listed-long", using=alias, ttl=60):
+        wait_until(lambda: "held (long)" in _listed(call_command, alias, StringIO()), timeout=30)
+    settings.DLOCK_LONG_HOLD = None
+    with dlock.lock("listed-long", using=alias, ttl=60):
+        time.sleep(0.6)
+        assert "held (long)" not in _listed(call_command, alias, StringIO())
+
+
+def _listed(call_command, alias: str, out) -> str:
+    call_command("dlock_list", "--using", alias, stdout=out)
+    return out.getvalue()
