@@ -60,7 +60,7 @@ def metrics_error(value: object) -> str | None:
 
 
 class PrometheusObserver:
-    """Feeds the four metrics from the acquire path and from the signals."""
+    """Feeds the metrics from the acquire path, the signals, deadlocks and long holds."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
