@@ -33,14 +33,14 @@ def _member(alias: str, mine: str, wanted: str, ready: str, members: int, out: s
     """Hold ``mine``, wait until all members hold theirs, then wait for ``wanted``."""
     flags = Path(ready)
     result: dict[str, object] = {"key": mine}
-    with dlock.lock(mine, using=alias, ttl=60, timeout=30):
+    with dlock.lock(mine, using=alias, ttl=300, timeout=30):  # (outlives a wait that hangs)
         (flags / mine).touch()
         deadline = time.monotonic() + 60
         while len(list(flags.iterdir())) < members and time.monotonic() < deadline:
             time.sleep(0.01)
         started = time.monotonic()
         try:
-            with dlock.lock(wanted, using=alias, ttl=60, timeout=None):
+            with dlock.lock(wanted, using=alias, ttl=300, timeout=None):
                 result["got"] = wanted
         except dlock.LockDeadlock as exc:
             result["deadlock"] = {
@@ -63,7 +63,7 @@ def _cycle(alias: str, tmp_path: Path, size: int) -> list[dict]:
         for i in range(size)
     ]
     for proc in started:
-        proc.join(90)
+        proc.join(60)
     for proc in started:
         if proc.is_alive():
             proc.kill()
