@@ -367,3 +367,94 @@ def test_dlock_list_marks_a_lease_held_long(alias, settings):
 def _listed(call_command, alias: str, out) -> str:
     call_command("dlock_list", "--using", alias, stdout=out)
     return out.getvalue()
+
+
+# -- read-write locks and semaphores: cycles through readers and permits -------------------
+
+
+def _two_threads(alias: str, first_of, second_of) -> list[object]:
+    """Thread 0 enters ``first_of(0)`` then ``second_of(0)``; thread 1 likewise,
+    each once both hold their first lock. What each got (True, or the error)."""
+    barrier = threading.Barrier(2)
+    results: list[object] = [None, None]
+
+    def run(index: int) -> None:
+        from django.db import connections
+
+        try:
+            with first_of(index):
+                barrier.wait(30)
+                with second_of(index):
+                    results[index] = True
+        except Exception as exc:
+            results[index] = exc
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "still waiting: no deadlock"
+    return results
+
+
+def test_a_cycle_through_the_readers_of_a_read_write_lock(alias):
+    # thread 0 reads "report" and waits for "ledger"; thread 1 holds "ledger"
+    # and waits to write "report", which waits for every reader
+    def first(i: int) -> dlock.Lock:
+        if i == 0:
+            return dlock.lock("report", using=alias, shared=True, ttl=300)
+        return dlock.lock("ledger", using=alias, ttl=300)
+
+    def second(i: int) -> dlock.Lock:
+        if i == 0:
+            return dlock.lock("ledger", using=alias, ttl=300, timeout=None)
+        return dlock.lock("report", using=alias, ttl=300, timeout=None)
+
+    results = _two_threads(alias, first, second)
+    assert sorted(type(r).__name__ for r in results) == ["LockDeadlock", "bool"], results
+
+
+def test_a_cycle_through_the_permits_of_a_semaphore(alias):
+    # the one permit of "exports" is thread 0's, which waits for "ledger";
+    # thread 1 holds "ledger" and waits for a permit
+    def first(i: int):
+        if i == 0:
+            return dlock.semaphore("exports", permits=1, using=alias, ttl=300)
+        return dlock.lock("ledger", using=alias, ttl=300)
+
+    def second(i: int):
+        if i == 0:
+            return dlock.lock("ledger", using=alias, ttl=300, timeout=None)
+        return dlock.semaphore("exports", permits=1, using=alias, ttl=300, timeout=None)
+
+    results = _two_threads(alias, first, second)
+    assert sorted(type(r).__name__ for r in results) == ["LockDeadlock", "bool"], results
+
+
+def test_no_deadlock_while_a_permit_is_held_by_someone_free(alias):
+    # two permits: one thread 0's (which waits for "ledger"), the other this
+    # test's, which will give it back: thread 1 is not deadlocked, only waits
+    outside = dlock.semaphore("exports2", permits=2, using=alias, ttl=300)
+    outside.acquire()
+
+    def first(i: int):
+        if i == 0:
+            return dlock.semaphore("exports2", permits=2, using=alias, ttl=300)
+        return dlock.lock("ledger2", using=alias, ttl=300)
+
+    def second(i: int):
+        if i == 0:
+            return dlock.lock("ledger2", using=alias, ttl=300, timeout=None)
+        return dlock.semaphore("exports2", permits=2, using=alias, ttl=300, timeout=20)
+
+    results: list[object] = []
+    both = threading.Thread(target=lambda: results.extend(_two_threads(alias, first, second)))
+    both.start()
+    time.sleep(2.5)  # thread 1 waits past DLOCK_DEADLOCK_TIMEOUT, twice
+    outside.release()
+    both.join(90)
+    # thread 1 got a permit once this test gave its own back, then thread 0 "ledger2"
+    assert results == [True, True], results
