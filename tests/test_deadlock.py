@@ -172,6 +172,14 @@ def test_a_waiter_queued_behind_a_cycle_is_not_told():
     assert victim_cycle(graph, 2) is not None
 
 
+def test_many_waiters_behind_a_cycle_are_not_told():
+    behind = [(n, "a", f"W{n}") for n in range(3, 2003)]
+    graph = _graph([(1, "a", "B"), (2, "b", "A"), *behind], {"a": {"A"}, "b": {"B"}})
+    (cycle,) = cycles(graph)
+    assert cycle.victim == 2 and set(cycle.keys) == {"a", "b"}
+    assert all(victim_cycle(graph, n) is None for n, _, _ in behind[::250])
+
+
 def test_a_ticket_ahead_in_the_queue_is_waited_for():
     # A holds "b" and waits for "k" (held by C), B is queued behind A for "k"
     # and C waits for "b": B waits for A, who waits for C, who waits for A.

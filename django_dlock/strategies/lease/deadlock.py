@@ -59,6 +59,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -123,18 +124,12 @@ class Graph:
     #: token -> owner (host, pid and thread or task), as the admin shows it
     owners: dict[str, str] = field(default_factory=dict)
 
-    def blockers(self, ticket: Ticket) -> tuple[set[str], set[str]]:
-        """The tokens ``ticket`` waits for: all of the first set, and (a
-        semaphore's permits) any one of the second."""
-        ahead = {
-            t.token
-            for t in self.tickets
-            if t.name == ticket.name and t.number < ticket.number and t.token != ticket.token
-        }
-        held = self.holders.get(ticket.name, set()) - {ticket.token}
-        if ticket.name.startswith(SEMAPHORE):
-            return ahead, held
-        return ahead | held, set()
+    def queues(self) -> dict[str, list[Ticket]]:
+        """Each waited-for key's tickets, in the order they are served."""
+        found: dict[str, list[Ticket]] = {}
+        for ticket in sorted(self.tickets, key=lambda t: t.number):
+            found.setdefault(ticket.name, []).append(ticket)
+        return found
 
     def owner(self, token: str) -> str:
         return self.owners.get(token) or f"token {token[:8]}…"
@@ -172,7 +167,6 @@ def read_graph(alias: str) -> Graph:
         semaphores = sorted({t.name for t in graph.tickets if t.name.startswith(SEMAPHORE)})
         if readers or semaphores:
             _read_prefixed(connection, graph, readers, semaphores)
-        graph.tickets.sort(key=lambda t: t.number)
         return graph
 
     found, _ = with_reconnect(alias, run)
@@ -236,33 +230,61 @@ class Cycle:
 
 
 def _stuck(graph: Graph) -> set[str]:
-    """The tokens that can never go on (the reduction in the module docstring)."""
+    """The tokens that can never go on (the reduction in the module docstring).
+
+    Each pass walks each key's queue in order, counting the stuck tokens
+    ahead, so a pass costs one look at each ticket however long the queues.
+    """
     stuck = {t.token for t in graph.tickets}
-    needs = [(t, *graph.blockers(t)) for t in graph.tickets]
+    queues = graph.queues()
     changed = True
     while changed:
         changed = False
-        for ticket, all_of, any_of in needs:
-            if ticket.token not in stuck:
-                continue
-            if all_of & stuck:
-                continue
-            if any_of and any_of <= stuck:
-                continue
-            stuck.discard(ticket.token)
-            changed = True
+        for name, tickets in queues.items():
+            held = graph.holders.get(name, set())
+            any_of = name.startswith(SEMAPHORE)
+            ahead: Counter[str] = Counter()  # stuck tokens ahead, by token
+            total = 0
+            for ticket in tickets:
+                token = ticket.token
+                if token in stuck:
+                    others = held - {token}
+                    # a semaphore: one holder that can go on frees a permit
+                    free = not others <= stuck if any_of else not others & stuck
+                    served = not others or free
+                    if served and total == ahead[token]:  # no other stuck token ahead
+                        stuck.discard(token)
+                        changed = True
+                if token in stuck:
+                    ahead[token] += 1
+                    total += 1
     return stuck
 
 
 def _edges(graph: Graph, stuck: set[str]) -> dict[str, list[tuple[Ticket, str]]]:
-    """token -> (its ticket, a stuck token it waits for), among stuck tokens."""
+    """token -> (its ticket, a stuck token it waits for), among stuck tokens.
+
+    A ticket waits for the stuck holders of its key and for the nearest
+    stuck ticket ahead of it (of another token): that one waits for the
+    next one ahead, and so on, so every stuck token ahead is reached.
+    """
     edges: dict[str, list[tuple[Ticket, str]]] = {}
-    for ticket in graph.tickets:
-        if ticket.token not in stuck:
-            continue
-        all_of, any_of = graph.blockers(ticket)
-        for token in sorted((all_of | any_of) & stuck):
-            edges.setdefault(ticket.token, []).append((ticket, token))
+    for name, tickets in graph.queues().items():
+        held = graph.holders.get(name, set()) & stuck
+        last: Ticket | None = None  # the nearest stuck ticket ahead
+        other: Ticket | None = None  # the nearest one ahead of another token than last's
+        for ticket in tickets:
+            if ticket.token not in stuck:
+                continue
+            ahead = last if last is not None and last.token != ticket.token else other
+            out = edges.setdefault(ticket.token, [])
+            for token in sorted(held - {ticket.token}):
+                out.append((ticket, token))
+            if ahead is not None:
+                out.append((ticket, ahead.token))
+            if last is not None and last.token != ticket.token:
+                other = last
+            last = ticket
     return edges
 
 
