@@ -61,6 +61,7 @@ BADGES = {
     "waiting": ("#004085", "#cce5ff", "◔"),
     "expired": ("#856404", "#fff3cd", "◌"),
     "released": ("#383d41", "#e2e3e5", "○"),
+    "held long": ("#721c24", "#f8d7da", "⚠"),
 }
 
 
@@ -210,7 +211,18 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     @admin.display(description="state", ordering="expire_at")
     def state(self, obj: Lock) -> SafeString:
-        return badge(override.state_of(bool(obj.db_held), obj.token))  # type: ignore[attr-defined]
+        held = bool(obj.db_held)  # type: ignore[attr-defined]
+        shown = badge(override.state_of(held, obj.token))
+        seconds = override.held_for(obj)
+        if override.is_held_long(held, seconds):  # DLOCK_LONG_HOLD
+            assert seconds is not None
+            return format_html(
+                '{}<br><span title="held for {}, longer than DLOCK_LONG_HOLD">{}</span>',
+                shown,
+                duration(seconds),
+                badge("held long"),
+            )
+        return shown
 
     @admin.display(description="time left", ordering="expire_at")
     def time_left(self, obj: Lock) -> str:
@@ -547,6 +559,17 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             raise PermissionDenied
         alias = override.default_alias()
         leases, advisory = override.blocking_tree(alias)
+        cycled = any(waiter.in_deadlock for key in leases for waiter in key.waiters)
+        deadlocks = [
+            {
+                "victim": cycle.victim,
+                "steps": [
+                    (holder, key, cycle.keys[(i + 1) % len(cycle.keys)])
+                    for i, (holder, key) in enumerate(zip(cycle.holders, cycle.keys, strict=True))
+                ],
+            }
+            for cycle in (override.deadlocks(alias) if cycled else [])
+        ]
         context = self._page(
             request,
             "Who waits on whom",
@@ -561,6 +584,7 @@ class LockAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 for key in leases
             ],
             advisory=advisory,
+            deadlocks=deadlocks,
             alias=alias,
         )
         request.current_app = self.admin_site.name

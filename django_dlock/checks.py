@@ -37,7 +37,9 @@ from django.core.checks import register as _register
 from django_dlock.conf import DEFAULTS, KNOWN_SETTINGS, NOT_INSTALLED, lock_alias
 from django_dlock.validation import (
     bool_error,
+    deadlock_timeout_error,
     direct_databases_error,
+    long_hold_error,
     retry_interval_error,
     strategy_error,
     ticket_ttl_error,
@@ -91,12 +93,14 @@ _SETTING_CHECKS: list[tuple[str, str, Callable[[object], str | None]]] = [
     ("dlock.E004", "DLOCK_RETRY_INTERVAL", retry_interval_error),
     ("dlock.E005", "DLOCK_LEASE_SYNCHRONOUS_COMMIT", bool_error),
     ("dlock.E006", "DLOCK_QUEUE_TICKET_TTL", ticket_ttl_error),
+    ("dlock.E007", "DLOCK_DEADLOCK_TIMEOUT", deadlock_timeout_error),
+    ("dlock.E008", "DLOCK_LONG_HOLD", long_hold_error),
 ]
 
 
 @register(Tags.compatibility)
 def check_settings(**kwargs: Any) -> list[CheckMessage]:
-    """dlock.E001-E006: each ``DLOCK_*`` setting has a valid value."""
+    """dlock.E001-E008: each ``DLOCK_*`` setting has a valid value."""
     errors: list[CheckMessage] = []
     for check_id, name, validate in _SETTING_CHECKS:
         value = getattr(settings, name, DEFAULTS[name])

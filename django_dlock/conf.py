@@ -22,6 +22,8 @@ from django.dispatch import receiver
 
 from django_dlock.exceptions import StrategyNotSupported
 from django_dlock.validation import (
+    deadlock_timeout_error,
+    long_hold_error,
     retry_interval_error,
     strategy_error,
     timeout_error,
@@ -57,6 +59,8 @@ DEFAULTS: dict[str, Any] = {
     "DLOCK_DIRECT_DATABASES": {},
     "DLOCK_ADVISORY_FENCING": False,
     "DLOCK_QUEUE_TICKET_TTL": 6.0,
+    "DLOCK_DEADLOCK_TIMEOUT": 1.0,
+    "DLOCK_LONG_HOLD": None,
 }
 
 #: the message of the check dlock.E000 and of the error a lock raises when
@@ -139,6 +143,32 @@ class Settings:
     def ADVISORY_FENCING(self) -> bool:  # noqa: N802
         """Whether advisory locks take fencing numbers (only ``True`` enables it)."""
         return self._get("DLOCK_ADVISORY_FENCING") is True
+
+    @property
+    def DEADLOCK_TIMEOUT(self) -> float | None:  # noqa: N802
+        """Seconds a lease waiter waits before it looks for a deadlock (``None``: never).
+
+        Raises:
+            ValueError: the setting is invalid (dlock.E007).
+        """
+        value = self._get("DLOCK_DEADLOCK_TIMEOUT")
+        problem = deadlock_timeout_error(value)
+        if problem is not None:
+            raise ValueError(f"the DLOCK_DEADLOCK_TIMEOUT setting is invalid: {problem}")
+        return None if value is None else float(value)
+
+    @property
+    def LONG_HOLD(self) -> float | None:  # noqa: N802
+        """Seconds after which a held lease counts as held long (``None``: never).
+
+        Raises:
+            ValueError: the setting is invalid (dlock.E008).
+        """
+        value = self._get("DLOCK_LONG_HOLD")
+        problem = long_hold_error(value)
+        if problem is not None:
+            raise ValueError(f"the DLOCK_LONG_HOLD setting is invalid: {problem}")
+        return None if value is None else float(value)
 
 
 conf = Settings()

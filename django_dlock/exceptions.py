@@ -17,6 +17,7 @@ __all__ = [
     "GuardNotSupported",
     "InvalidLockKey",
     "KeyTemplateError",
+    "LockDeadlock",
     "LockLost",
     "LockNotOwned",
     "LockReentrantError",
@@ -39,6 +40,34 @@ class DLockError(Exception):
 
 class LockTimeout(DLockError, TimeoutError):
     """The lock could not be acquired within the timeout."""
+
+
+class LockDeadlock(LockTimeout):
+    """Waiting for the lock would never end: its waiter is part of a deadlock.
+
+    A lease waiter that has waited longer than ``DLOCK_DEADLOCK_TIMEOUT``
+    looks for a cycle of holders that each wait for a key another holds;
+    exactly one waiter of such a cycle (the one that began to wait last)
+    gets this error, and its wait ends (its own keys are released as its
+    ``with`` blocks are left, so the others can go on). An advisory lock
+    gets it when PostgreSQL itself detects the deadlock (SQLSTATE 40P01).
+    A :class:`LockTimeout`, so existing handlers keep working.
+
+    Attributes:
+        keys: the keys of the cycle, each one awaited by the holder of the
+            key before it (the first is the one this waiter waits for).
+        holders: the holders of the cycle (as the admin shows them: host,
+            pid, thread or task); ``holders[i]`` holds ``keys[i]`` and
+            waits for ``keys[i + 1]`` (this waiter waits for ``keys[0]``
+            and is the last holder).
+    """
+
+    def __init__(
+        self, message: str, keys: tuple[str, ...] = (), holders: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.keys = keys
+        self.holders = holders
 
 
 class QuorumUnavailable(LockTimeout):

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from django_dlock import signals, tracing
+from django_dlock import long_holds, signals, tracing
 from django_dlock._threads import close_thread_connections
 from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable, LockLost, SessionBusy
@@ -77,6 +77,8 @@ class Holding:
     slot: Slot = field(init=False)
     #: its ``dlock.hold`` span while traced (see :mod:`django_dlock.tracing`)
     span: Any = None
+    #: flagged as held longer than ``DLOCK_LONG_HOLD`` (see :mod:`django_dlock.long_holds`)
+    held_long: bool = False
 
     def __post_init__(self) -> None:
         req = self.request
@@ -195,6 +197,7 @@ def renew(holding: Holding, ttl: float) -> bool:
         extended = holding.strategy.extend(holding.request, ttl)
     if extended:
         holding.renewed(sent_at, ttl)
+        long_holds.note_renewed(holding)
         return True
     return False
 

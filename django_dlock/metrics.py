@@ -19,6 +19,10 @@ exports that registry shows them (django-prometheus's ``/metrics`` view,
   the moment a ticket is taken, by a waiting ``acquire`` or by ``enqueue()``,
   until it is granted or given up); on the other strategies, callers
   waiting in ``acquire`` (one-try acquires are not waiters).
+* ``dlock_deadlocks_total`` (counter): lease waiters of this process told
+  they were part of a deadlock (``LockDeadlock``).
+* ``dlock_long_holds_total`` (counter; ``strategy``): leases held (renewed)
+  past ``DLOCK_LONG_HOLD``, counted once per holding.
 
 Off (the default, ``DLOCK_METRICS = None``), nothing is connected: the only
 cost left in the acquire path is one attribute test.
@@ -56,7 +60,7 @@ def metrics_error(value: object) -> str | None:
 
 
 class PrometheusObserver:
-    """Feeds the four metrics from the acquire path and from the signals."""
+    """Feeds the metrics from the acquire path, the signals, deadlocks and long holds."""
 
     def __init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
@@ -77,6 +81,14 @@ class PrometheusObserver:
             "dlock_lost_total", "django-dlock locks lost while held.", ["strategy"]
         )
         self.waiters = Gauge("dlock_waiters", "Callers waiting to acquire a django-dlock lock.")
+        self.deadlocks = Counter(
+            "dlock_deadlocks_total", "Lease waiters told they were part of a deadlock."
+        )
+        self.long_holds = Counter(
+            "dlock_long_holds_total",
+            "django-dlock leases held (renewed) past DLOCK_LONG_HOLD.",
+            ["strategy"],
+        )
         # labels() validates and locks on every call: keep the children
         self._acquire: dict[tuple[str, str], Any] = {}
         self._held: dict[str, Any] = {}

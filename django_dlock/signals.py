@@ -9,6 +9,9 @@ primitive's class and these keyword arguments:
 * ``lock_force_released``: ``name``, ``owner`` (the holder it was taken from),
   ``fence``, ``using``, ``user`` (or ``None``), ``source`` (``"admin"`` or
   ``"command"``); sender is the ``Lock`` model
+* ``lock_held_long``: ``name``, ``strategy``, ``held`` (seconds held so far),
+  ``owner``: a renewal found the lease held longer than ``DLOCK_LONG_HOLD``
+  (sent once per holding, from the thread that renewed it)
 """
 
 from __future__ import annotations
@@ -21,3 +24,4 @@ lock_lost = Signal()
 lock_skipped = Signal()
 leader_changed = Signal()
 lock_force_released = Signal()
+lock_held_long = Signal()

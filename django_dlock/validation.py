@@ -251,3 +251,32 @@ def ticket_ttl_error(value: object) -> str | None:
     if not 0 < number <= MAX_TICKET_TTL:  # (NaN compares false)
         return f"it must be a number of seconds > 0 and <= {MAX_TICKET_TTL:g}, got {value!r}"
     return None
+
+
+#: longest wait accepted for ``DLOCK_DEADLOCK_TIMEOUT`` before a waiter looks for a deadlock
+MAX_DEADLOCK_TIMEOUT = 3600.0
+
+
+def deadlock_timeout_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid ``DLOCK_DEADLOCK_TIMEOUT``, or ``None``."""
+    if value is None:
+        return None
+    number = value if _is_number(value) else math.nan
+    assert isinstance(number, (int, float))
+    if not 0 < number <= MAX_DEADLOCK_TIMEOUT:  # (NaN compares false)
+        return (
+            f"it must be None (no deadlock detection) or a number of seconds > 0 and "
+            f"<= {MAX_DEADLOCK_TIMEOUT:g}, got {value!r}"
+        )
+    return None
+
+
+def long_hold_error(value: object) -> str | None:
+    """Return why ``value`` is not a valid ``DLOCK_LONG_HOLD``, or ``None``."""
+    if value is None:
+        return None
+    number = value if _is_number(value) else math.nan
+    assert isinstance(number, (int, float))
+    if not 0 < number < math.inf:  # (NaN compares false)
+        return f"it must be None (off) or a number of seconds > 0, got {value!r}"
+    return None

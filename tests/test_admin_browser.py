@@ -420,3 +420,49 @@ def test_holder_metadata_and_who_waits_in_a_real_browser(live_server, tmp_path):
     assert "(celery billing.charge)" in tree.split("1.", 1)[1]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert served == [True]  # the waiter got the lock once the block was left
+
+
+def test_a_lock_held_long_is_flagged_in_the_list_and_signalled_once(live_server, settings):
+    """A lease renewed past ``DLOCK_LONG_HOLD`` shows "held long" in the lock
+    list, and ``lock_held_long`` is sent once, however often it is renewed."""
+    from django_dlock import signals
+
+    require_browser()
+    get_user_model().objects.create_superuser("root", "root@example.com", "browser-pw")
+    settings.DLOCK_LONG_HOLD = 1.0
+    sent: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        sent.append(kwargs)
+
+    signals.lock_held_long.connect(receiver)
+    other_locks()
+    lk = dlock.lock("report:2026-q4", ttl=0.9, renew=True)  # renewed every 0.3 s
+
+    def steps(page: Any) -> dict[str, str]:
+        log_in(page, live_server.url, "root", "browser-pw")
+        rows = page.locator("#result_list tbody tr")
+        return {
+            "long": rows.filter(has_text="lock:report:2026-q4")
+            .locator("td.field-state")
+            .inner_text(),
+            # acquired 3 h ago, but no longer held: not flagged
+            "ended": rows.filter(has_text="task:nightly-report")
+            .locator("td.field-state")
+            .inner_text(),
+        }
+
+    try:
+        with lk:
+            wait_until(lambda: len(sent) == 1, timeout=30)
+            (holding,) = lk._holdings()
+            assert holding.renewer is not None
+            renewals = holding.renewer.renewals
+            wait_until(lambda: holding.renewer.renewals >= renewals + 3, timeout=30)
+            seen = in_browser(steps, width=1280, height=640)
+    finally:
+        signals.lock_held_long.disconnect(receiver)
+    assert len(sent) == 1  # once, after more renewals
+    assert sent[0]["name"] == "lock:report:2026-q4" and sent[0]["held"] >= 1.0
+    assert "held long" in seen["long"] and "held" in seen["long"]
+    assert "held long" not in seen["ended"]

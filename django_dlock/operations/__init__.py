@@ -39,6 +39,8 @@ from django_dlock.operations.lease_rows import (
 )
 from django_dlock.operations.lease_rows import annotate_state as annotate_state
 from django_dlock.operations.lease_rows import candidate_names as candidate_names
+from django_dlock.operations.lease_rows import held_for as held_for
+from django_dlock.operations.lease_rows import is_held_long as is_held_long
 from django_dlock.operations.lease_rows import state_of as state_of
 from django_dlock.operations.lease_rows import token_prefix as token_prefix
 from django_dlock.operations.mysql_user_locks import (
@@ -64,6 +66,7 @@ from django_dlock.operations.waiting import (
     AwaitedLease,
     Waiting,
     blocking_tree,
+    deadlocks,
 )
 
 __all__ = [
@@ -72,6 +75,7 @@ __all__ = [
     "AwaitedLease",
     "Waiting",
     "blocking_tree",
+    "deadlocks",
     "Lease",
     "Released",
     "SecondsLeft",

@@ -21,7 +21,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import BooleanField, Case, FloatField, Func, Q, QuerySet, Value, When
 from django.db.models.sql.compiler import SQLCompiler
 
-from django_dlock import dbclock, signals
+from django_dlock import dbclock, long_holds, signals
 from django_dlock.conf import lock_alias
 from django_dlock.dbclock import DbNow
 from django_dlock.models import Lock
@@ -38,6 +38,8 @@ __all__ = [
     "default_alias",
     "find_lease",
     "force_release",
+    "held_for",
+    "is_held_long",
     "leases",
     "state_of",
     "token_prefix",
@@ -87,7 +89,8 @@ class SecondsLeft(Func):
 
 
 def annotate_state(queryset: QuerySet[Lock]) -> QuerySet[Lock]:
-    """Add ``db_held`` and ``db_seconds_left``, both judged on the database clock."""
+    """Add ``db_held``, ``db_seconds_left`` and ``db_since_acquired`` (seconds
+    until ``acquired_at``: negative), all judged on the database clock."""
     return queryset.annotate(
         db_held=Case(
             When(expire_at__gt=DbNow(), then=Value(True)),
@@ -95,7 +98,21 @@ def annotate_state(queryset: QuerySet[Lock]) -> QuerySet[Lock]:
             output_field=BooleanField(),
         ),
         db_seconds_left=SecondsLeft("expire_at"),
+        db_since_acquired=SecondsLeft("acquired_at"),
     )
+
+
+def held_for(row: Lock) -> float | None:
+    """Seconds since ``row`` (annotated by :func:`annotate_state`) was acquired,
+    on the database clock; ``None`` if it never was."""
+    since = row.db_since_acquired  # type: ignore[attr-defined]
+    return None if since is None else max(0.0, -float(since))
+
+
+def is_held_long(held: bool, seconds: float | None) -> bool:
+    """Whether a lease held for ``seconds`` is held longer than ``DLOCK_LONG_HOLD``."""
+    limit = long_holds.bound()
+    return held and limit is not None and seconds is not None and seconds >= limit
 
 
 def state_of(held: bool, token: str) -> str:
@@ -123,10 +140,15 @@ class Lease:
     acquired_at: dt.datetime | None
     expire_at: dt.datetime
     seconds_left: float
+    #: seconds since it was acquired (database clock), ``None`` if never
+    held_for: float | None = None
+    #: held longer than ``DLOCK_LONG_HOLD``
+    held_long: bool = False
 
     @classmethod
     def of(cls, row: Lock) -> Lease:
         held = bool(row.db_held)  # type: ignore[attr-defined]
+        seconds = held_for(row)
         return cls(
             pk=row.pk,
             name=row.name,
@@ -137,6 +159,8 @@ class Lease:
             acquired_at=row.acquired_at,
             expire_at=row.expire_at,
             seconds_left=float(row.db_seconds_left or 0.0),  # type: ignore[attr-defined]
+            held_for=seconds,
+            held_long=is_held_long(held, seconds),
         )
 
 

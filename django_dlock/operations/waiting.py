@@ -2,7 +2,8 @@
 
 For each lease key (a lock, or a semaphore's permits) with live waiters: who
 holds it (the lease, each reader of a read-write lock, each permit) and its
-queue in order. On PostgreSQL, for each awaited advisory
+queue in order; the deadlocks among them (cycles of waiters that each wait
+for a key another holds). On PostgreSQL, for each awaited advisory
 key: its holders and each waiter with the backends that block it
 (``pg_blocking_pids``).
 """
@@ -21,8 +22,9 @@ from django_dlock.operations.pg_advisory import (
     is_postgresql,
 )
 from django_dlock.strategies import queue
+from django_dlock.strategies.lease.deadlock import Cycle, cycles, read_graph
 
-__all__ = ["AwaitedAdvisory", "AwaitedLease", "Waiting", "blocking_tree"]
+__all__ = ["AwaitedAdvisory", "AwaitedLease", "Waiting", "blocking_tree", "deadlocks"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Waiting:
     ticket: int
     owner: str
     since: dt.datetime
+    #: waits on a deadlock's cycle (see :func:`deadlocks`)
+    in_deadlock: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ def blocking_tree(alias: str) -> tuple[list[AwaitedLease], list[AwaitedAdvisory]
         if live:
             queues.setdefault(name, []).append((ticket, owner, since))
     leases = []
+    cycled = {n for cycle in deadlocks(alias) for n in cycle.tickets} if queues else set()
     for name, found in sorted(queues.items()):
         if name.startswith("semaphore:"):
             holders = [p for p in find_permits(alias, name) if p.state == "held"]
@@ -79,11 +84,18 @@ def blocking_tree(alias: str) -> tuple[list[AwaitedLease], list[AwaitedAdvisory]
             if holders:  # a read-write lock held by readers: each reader
                 holders = [reader for _, reader in find_readers(alias, name)] or holders
         waiters = [
-            Waiting(position, ticket, owner, since)
+            Waiting(position, ticket, owner, since, ticket in cycled)
             for position, (ticket, owner, since) in enumerate(found, start=1)
         ]
         leases.append(AwaitedLease(name, holders, waiters))
     return leases, (_advisory(alias) if is_postgresql(alias) else None)
+
+
+def deadlocks(alias: str) -> list[Cycle]:
+    """The deadlocks among the lease waiters of ``alias`` now: one cycle each,
+    as its youngest waiter is (or is about to be) told (see
+    :mod:`django_dlock.strategies.lease.deadlock`)."""
+    return cycles(read_graph(alias))
 
 
 def _advisory(alias: str) -> list[AwaitedAdvisory]:

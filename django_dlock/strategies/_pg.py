@@ -10,13 +10,17 @@ documentation on advisory locks and on the ``pg_locks`` view.
 from __future__ import annotations
 
 import math
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from django_dlock.retry import Deadline
+
+if TYPE_CHECKING:
+    from django_dlock.exceptions import LockDeadlock
 from django_dlock.strategies.connection import psycopg3
 
 #: ``lock_timeout`` is an int4 of milliseconds: longer waits go in steps
@@ -55,6 +59,24 @@ def sqlstate(exc: BaseException) -> str | None:
         if code:
             return str(code)
     return None
+
+
+def deadlock_error(name: str, exc: BaseException) -> LockDeadlock:
+    """PostgreSQL's deadlock error (SQLSTATE 40P01) while waiting for ``name``,
+    as :class:`~django_dlock.LockDeadlock`: the server's own detection chose
+    this waiter to give up. Its detail names the processes of the cycle."""
+    from django_dlock.exceptions import LockDeadlock
+
+    cause = exc.__cause__ if sqlstate(exc) is None or exc.__cause__ is not None else exc
+    diag = getattr(cause, "diag", None)
+    detail = str(getattr(diag, "message_detail", None) or "") or str(exc)
+    pids = list(dict.fromkeys(re.findall(r"Process (\d+)", detail)))
+    return LockDeadlock(
+        f"PostgreSQL detected a deadlock while waiting for {name!r}; this waiter gives "
+        f"up (take several locks in one lock([...]) to avoid this): {detail.strip()}",
+        keys=(name,),
+        holders=tuple(f"backend pid {pid}" for pid in pids),
+    )
 
 
 def lock_timeout_ms(deadline: Deadline) -> int | None:

@@ -54,7 +54,12 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DatabaseUnavailable, DLockError, StrategyNotSupported
 from django_dlock.keys import Key
 from django_dlock.retry import Deadline, interval
-from django_dlock.strategies._pg import MAX_LOCK_TIMEOUT_MS, lock_timeout_ms, sqlstate
+from django_dlock.strategies._pg import (
+    MAX_LOCK_TIMEOUT_MS,
+    deadlock_error,
+    lock_timeout_ms,
+    sqlstate,
+)
 from django_dlock.strategies.base import Grant, Request, Strategy
 from django_dlock.strategies.connection import (
     cursor,
@@ -219,8 +224,10 @@ class RowStrategy(TransactionScoped):
                 state = sqlstate(exc)
                 if state == "55P03" and timeout_ms == MAX_LOCK_TIMEOUT_MS:
                     continue
-                if state in ("55P03", "40P01", "57014"):
-                    return False, True  # lock_timeout, deadlock, statement_timeout
+                if state == "40P01":  # the server's deadlock detection chose us
+                    raise deadlock_error(req.key.name, exc) from exc
+                if state in ("55P03", "57014"):
+                    return False, True  # lock_timeout, statement_timeout
                 raise
             if not row[0]:
                 return False, False  # the row was deleted while we waited

@@ -30,6 +30,7 @@ from django_dlock.retry import Deadline
 from django_dlock.strategies._pg import (
     MAX_LOCK_TIMEOUT_MS,
     PG_LOCKS_MATCH,
+    deadlock_error,
     fencing,
     lock_timeout_ms,
     sqlstate,
@@ -117,8 +118,10 @@ class AdvisoryXactStrategy(TransactionScoped):
                 state = sqlstate(exc)
                 if state == "55P03" and timeout_ms == MAX_LOCK_TIMEOUT_MS:
                     continue  # a very long timeout, waited in steps
-                if state in ("55P03", "40P01", "57014"):
-                    return None  # lock_timeout, deadlock, statement_timeout
+                if state == "40P01":  # the server's deadlock detection chose us
+                    raise deadlock_error(req.key.name, exc) from exc
+                if state in ("55P03", "57014"):
+                    return None  # lock_timeout, statement_timeout
                 raise
             got = None if row is None else row[0]
             if got is None:

@@ -89,7 +89,7 @@ class Command(DlockCommand):
             rows = [
                 [
                     lease.name,
-                    lease.state,
+                    f"{lease.state} (long)" if lease.held_long else lease.state,
                     lease.owner,
                     str(lease.fence),
                     lease.token_prefix,
@@ -156,10 +156,13 @@ class Command(DlockCommand):
                 left = seconds_text(lease)
                 self.say(f"  holder  {lease.owner or '-'}  fence {lease.fence}  {left}")
             for waiter in awaited.waiters:
+                cycle = "  IN A DEADLOCK (see below)" if waiter.in_deadlock else ""
                 self.say(
                     f"  {waiter.position}. ticket {waiter.ticket}  {waiter.owner or '-'}  "
-                    f"waiting since {waiter.since.isoformat()}"
+                    f"waiting since {waiter.since.isoformat()}{cycle}"
                 )
+        if any(w.in_deadlock for awaited in leases for w in awaited.waiters):
+            self._deadlocks(using)
         if advisory is None:
             return
         self.say(f"Advisory keys with waiters in {using!r}: {len(advisory)}")
@@ -173,6 +176,20 @@ class Command(DlockCommand):
                     f"  waiting pid {lk.pid} ({lk.application or 'no name'}) {lk.mode}, "
                     f"blocked by pid {waits_for}"
                 )
+
+    def _deadlocks(self, using: str) -> None:
+        """Each deadlock: who holds what and waits for what, around the cycle."""
+        found = override.deadlocks(using)
+        self.say(f"Deadlocks in {using!r}: {len(found)}")
+        for number, cycle in enumerate(found, start=1):
+            self.say(f"Deadlock {number}:")
+            size = len(cycle.keys)
+            for i, holder in enumerate(cycle.holders):
+                self.say(
+                    f"  {holder or '-'}  holds {cycle.keys[i]}, waits for "
+                    f"{cycle.keys[(i + 1) % size]}"
+                )
+            self.say(f"  ticket {cycle.victim}, the youngest waiter, gives up with LockDeadlock")
 
     def _user_locks(self, using: str) -> None:
         found = override.user_locks(using)

@@ -54,6 +54,7 @@ from django_dlock.strategies._pg import (
     DATABASE,
     MAX_LOCK_TIMEOUT_MS,
     PG_LOCKS_MATCH,
+    deadlock_error,
     fencing,
     lock_timeout_ms,
 )
@@ -224,13 +225,10 @@ class AdvisoryStrategy(SessionAsyncAcquire):
                 if deadline.timeout is not None and timeout_ms == MAX_LOCK_TIMEOUT_MS:
                     continue
                 return None
-            except psycopg.errors.DeadlockDetected:
-                logger.warning(
-                    "django-dlock: PostgreSQL detected a deadlock while waiting for %s; "
-                    "giving up (take several locks in one lock([...]) to avoid this)",
-                    req.key.name,
-                )
-                return None
+            except psycopg.errors.DeadlockDetected as exc:
+                error = deadlock_error(req.key.name, exc)
+                logger.warning("django-dlock: %s", error)
+                raise error from exc
             except psycopg.errors.QueryCanceled:
                 # Our own cancellation, or someone's pg_cancel_backend(): the
                 # lock may have been granted just before; find out.

@@ -3,8 +3,9 @@
 A waiter holds a ticket in the key's queue (see
 :mod:`django_dlock.strategies.queue`). Its wait is a generator of steps
 (:func:`plan`): "look" (renew the ticket when due and read how long
-the current lease runs), "try" (take the lease with the ticket) and "sleep"
-(park until woken or the pause ends). A :class:`TicketWait` hands them to a
+the current lease runs), "try" (take the lease with the ticket), "detect"
+(past ``DLOCK_DEADLOCK_TIMEOUT``: look for a deadlock, :mod:`.deadlock`)
+and "sleep" (park until woken or the pause ends). A :class:`TicketWait` hands them to a
 driver, which runs each its own way (``LeaseStrategy.wait_ticket`` in the
 calling thread, ``LeaseStrategy.await_ticket`` off the event loop) and
 replies with what it got, so both follow the same plan.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -39,6 +41,7 @@ from django_dlock.retry import OUTAGE_MAX_PAUSE, Deadline, interval, outage_paus
 from django_dlock.strategies import queue
 from django_dlock.strategies.base import Grant, Request
 from django_dlock.strategies.connection import psycopg3
+from django_dlock.strategies.lease import deadlock
 from django_dlock.strategies.lease.sql import TABLE, WAITERS, read
 
 logger = logging.getLogger("django_dlock")
@@ -213,7 +216,7 @@ class TicketWait:
             self.listen.register(payload, self.waiter)
         try:
             self.place = Place(self.ticket)
-            fence = yield from plan(deadline, policy, self.listen)
+            fence = yield from plan(deadline, policy, self.listen, deadlock.due())
         finally:
             if self.listen is not None:
                 self.listen.unregister(payload, self.waiter)
@@ -221,7 +224,10 @@ class TicketWait:
 
 
 def plan(
-    deadline: Deadline, policy: RetryInterval, listen: notify.Listener | None
+    deadline: Deadline,
+    policy: RetryInterval,
+    listen: notify.Listener | None,
+    detect_after: float | None = None,
 ) -> Generator[Step, Any, int | None]:
     """How a waiter with a ticket waits, as steps for a sync or an async driver.
 
@@ -239,10 +245,15 @@ def plan(
     does (:func:`~django_dlock.retry.outage_pause`) and looks again until
     its deadline, and then raises :class:`~django_dlock.DatabaseUnavailable`
     rather than report a timeout.
+
+    A waiter that has waited ``detect_after`` seconds looks for a deadlock
+    ("detect", see :mod:`.deadlock`), and again every ``detect_after``
+    seconds while it waits.
     """
     attempt = 0
     outages = 0  # (looks in a row that could not reach the database)
     woken = False
+    detect_at = math.inf if detect_after is None else time.monotonic() + detect_after
     while True:
         # Woken by a NOTIFY addressed to this ticket: try at once.
         look: Look | Outage = Look(0.0, False) if woken else (yield ("look", 0.0))
@@ -263,6 +274,9 @@ def plan(
         outages = 0
         if deadline.expired():
             return None
+        if time.monotonic() >= detect_at:
+            yield ("detect", 0.0)  # raises LockDeadlock if this waiter must give up
+            detect_at = time.monotonic() + (detect_after or 0.0)
         left = look.left
         if listen is not None and listen.healthy:
             pause = MAX_PARK if left <= 0 else min(MAX_PARK, left + EXPIRY_MARGIN)
@@ -270,7 +284,7 @@ def plan(
             pause = interval(policy, attempt)
             if left > 0:
                 pause = min(pause, left + EXPIRY_MARGIN)
-        pause = min(pause, queue.renew_every())
+        pause = min(pause, queue.renew_every(), max(0.0, detect_at - time.monotonic()))
         woken = bool((yield ("sleep", max(0.0, min(pause, deadline.remaining())))))
         attempt += 1
 
@@ -280,6 +294,8 @@ def step(kind: str, place: Place, req: Request, turns: Turns) -> Any:
     try ("try": take the lease with the ticket); an :class:`Outage` if the
     database is away."""
     try:
+        if kind == "detect":
+            return deadlock.check(req, place.ticket)
         if kind == "try":
             acquire_notes.tried()
             place.tried_at = time.monotonic()
