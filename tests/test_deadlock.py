@@ -208,6 +208,23 @@ def test_a_semaphore_waiter_needs_every_permit_holder_stuck():
     assert victim_cycle(graph, 2) is not None
 
 
+def test_a_semaphore_with_a_free_permit_blocks_no_one():
+    # A holds one permit and waits for "x", held by B, who waits for the
+    # semaphore: a second permit was just given back (its row is free), so B
+    # is served at its next look (this was once reported as a deadlock)
+    sem = "semaphore:s"
+    graph = _graph([(1, "x", "A"), (2, sem, "B")], {"x": {"B"}, sem: {"A"}})
+    graph.free.add(sem)
+    assert victim_cycle(graph, 2) is None
+    # the same with no row for the free permit yet: the looking waiter knows
+    # its semaphore has two permits, and only one is held
+    graph = _graph([(1, "x", "A"), (2, sem, "B")], {"x": {"B"}, sem: {"A"}})
+    graph.permits[sem] = 2
+    assert victim_cycle(graph, 2) is None
+    graph.permits[sem] = 1
+    assert victim_cycle(graph, 2) is not None
+
+
 def test_no_cycle_in_one_order():
     graph = _graph([(1, "a", "B"), (2, "b", "C"), (3, "a", "C")], {"a": {"A"}, "b": {"B"}})
     assert cycles(graph) == []

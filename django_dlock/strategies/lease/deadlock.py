@@ -123,6 +123,12 @@ class Graph:
     holders: dict[str, set[str]] = field(default_factory=dict)
     #: token -> owner (host, pid and thread or task), as the admin shows it
     owners: dict[str, str] = field(default_factory=dict)
+    #: semaphores with a free permit's row (released, or its lease over): a
+    #: waiter for one is served at its next look, not blocked
+    free: set[str] = field(default_factory=set)
+    #: semaphore name -> its number of permits, where known (the looking
+    #: waiter's own semaphore): fewer live holders than that leaves a permit free
+    permits: dict[str, int] = field(default_factory=dict)
 
     def queues(self) -> dict[str, list[Ticket]]:
         """Each waited-for key's tickets, in the order they are served."""
@@ -191,18 +197,23 @@ def _read_prefixed(
             where.append("name LIKE %s ESCAPE '!'")
             params.append(prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%")
     with cursor(connection) as cur:
+        # every row, live or not: a permit's row that is not live is a free permit
         cur.execute(
-            f"SELECT name, token, owner FROM {TABLE} WHERE ({' OR '.join(where)}) "
-            f"AND expire_at > {now} AND token <> ''",
+            f"SELECT name, token, owner, CASE WHEN expire_at > {now} AND token <> '' "
+            f"THEN 1 ELSE 0 END FROM {TABLE} WHERE ({' OR '.join(where)})",
             params,
         )
         rows = cur.fetchall()
     _STATS.statements += 1
-    for row_name, token, owner in rows:
+    for row_name, token, owner, live in rows:
         for name, prefix in prefixes:
             if not row_name.startswith(prefix):
                 continue
             if name in semaphores and not _PERMIT.fullmatch(row_name[len(name) :]):
+                continue
+            if not live:
+                if name in semaphores:
+                    graph.free.add(name)
                 continue
             graph.holders.setdefault(name, set()).add(token)
             graph.owners.setdefault(token, owner)
@@ -249,8 +260,12 @@ def _stuck(graph: Graph) -> set[str]:
                 token = ticket.token
                 if token in stuck:
                     others = held - {token}
-                    # a semaphore: one holder that can go on frees a permit
-                    free = not others <= stuck if any_of else not others & stuck
+                    # a semaphore: a free permit, or one holder that can go on
+                    # and free one
+                    if any_of and (name in graph.free or len(held) < graph.permits.get(name, 0)):
+                        free = True
+                    else:
+                        free = not others <= stuck if any_of else not others & stuck
                     served = not others or free
                     if served and total == ahead[token]:  # no other stuck token ahead
                         stuck.discard(token)
@@ -429,10 +444,17 @@ def check(req: Request, ticket: int) -> None:
     :class:`~django_dlock.LockDeadlock` if this waiter is the one of its
     cycle to give up. A database error ends the look quietly (the wait goes on)."""
     started = time.perf_counter()
+
+    def read() -> Graph:
+        graph = read_graph(req.alias)
+        if req.queue_rows and req.key.name.startswith(SEMAPHORE):  # its permits' rows
+            graph.permits[req.key.name] = len(req.queue_rows)
+        return graph
+
     try:
-        cycle = victim_cycle(read_graph(req.alias), ticket)
+        cycle = victim_cycle(read(), ticket)
         if cycle is not None:  # seen twice before it is told
-            again = victim_cycle(read_graph(req.alias), ticket)
+            again = victim_cycle(read(), ticket)
             cycle = again if again is not None and again.tickets == cycle.tickets else None
     except Exception as exc:  # a look must not end the wait
         logger.debug("django-dlock: could not look for a deadlock on %s: %s", req.key.name, exc)
