@@ -263,7 +263,7 @@ def test_a_killed_holders_permit_is_free_when_its_lease_ends(alias, tmp_path):
     ready = tmp_path / "ready"
     child = procs.start(_hold_then_wait, alias, str(ready))
     try:
-        wait_until(ready.exists)
+        wait_until(ready.exists, timeout=60)  # a new process starts Django first
         kept = Holder(alias, "killed", 2, ttl=60)
         os.kill(child.pid, signal.SIGKILL)
         child.join(10)
