@@ -206,8 +206,8 @@ class PatroniCluster:
                             "max_replication_slots": 10,
                             "wal_keep_size": "128MB",
                             # fsync off: the tests crash processes, never the machine
+                            # (full_page_writes stays on: pg_rewind needs it)
                             "fsync": "off",
-                            "full_page_writes": "off",
                             "max_connections": 100,
                         },
                     },
@@ -220,6 +220,10 @@ class PatroniCluster:
                 "data_dir": str(member.data),
                 "bin_dir": str(self.bindir),
                 "pgpass": str(member.root / "pgpass"),
+                # a member that cannot be rewound (e.g. its timeline ID was
+                # used by another member too) is copied afresh from the leader
+                "remove_data_directory_on_rewind_failure": True,
+                "remove_data_directory_on_diverged_timelines": True,
                 "authentication": {
                     "superuser": {"username": "postgres"},
                     "replication": {"username": "postgres"},
@@ -339,10 +343,15 @@ class PatroniCluster:
         return None
 
     def timeline(self) -> int | None:
-        for found in self.state():
-            if found["role"] == "leader":
-                return int(found.get("timeline") or 0) or None
-        return None
+        """The timeline the leader writes WAL on (``None``: no leader answers)."""
+        leader = self.leader()
+        if leader is None:
+            return None
+        try:
+            (name,) = self.sql(leader, "SELECT pg_walfile_name(pg_current_wal_lsn())", timeout=2)[0]
+        except Exception:
+            return None
+        return int(name[:8], 16)
 
     def wait_for(self, what: str, test: Callable[[], Any], timeout: float = 60.0) -> Any:
         deadline = time.monotonic() + timeout
@@ -363,12 +372,14 @@ class PatroniCluster:
 
         return self.wait_for("a leader that accepts writes", found, timeout)  # type: ignore[no-any-return]
 
-    def wait_healthy(self, timeout: float = 120.0) -> Member:
-        """Wait for a leader and every member running Patroni streaming from it."""
-        leader = self.wait_leader(timeout)
+    def wait_healthy(self, timeout: float = 120.0, standbys: int | None = None) -> Member:
+        """Wait for a leader and ``standbys`` members streaming from it (``None``:
+        every member whose Patroni runs)."""
+        self.wait_leader(timeout)
+        found: list[Member] = []
 
         def streaming() -> bool:
-            # (Patroni 3.0 calls a streaming standby "running": ask the primary)
+            # (Patroni 3.0 calls a streaming standby "running": ask the primary too)
             current = self.leader()
             if current is None:
                 return False
@@ -382,10 +393,14 @@ class PatroniCluster:
             except Exception:
                 return False
             ready = {s["name"] for s in self.state() if s["state"] == "running"}
-            return running <= {str(name) for (name,) in rows} & ready
+            streamed = running & {str(name) for (name,) in rows} & ready
+            found[:] = [current]
+            if standbys is None:
+                return running <= streamed
+            return len(streamed) >= standbys
 
-        self.wait_for("every standby streaming", streaming, timeout)
-        return self.leader() or leader
+        self.wait_for("standbys streaming", streaming, timeout)
+        return found[0]
 
     def reinitialize_stragglers(self) -> list[str]:
         """Re-initialize (``patronictl reinit``: a fresh copy of the leader) every
@@ -576,27 +591,44 @@ class PatroniCluster:
             timeout,
         )
 
-    def walsenders(self, primary: Member) -> dict[str, int]:
-        """The WAL sender process of each standby (by name) on ``primary``."""
-        rows = self.sql(primary, "SELECT application_name, pid FROM pg_stat_replication")
-        return {str(name): int(pid) for name, pid in rows}
-
     @contextlib.contextmanager
-    def wal_withheld(self, primary: Member) -> Iterator[list[str]]:
-        """Within the block no standby receives WAL from ``primary`` (its WAL
-        senders are SIGSTOPped; replication is asynchronous: commits do not
-        wait). Yields the names of the standbys cut off."""
-        senders = self.walsenders(primary)
-        for pid in senders.values():
+    def wal_withheld(self, primary: Member) -> Iterator[None]:
+        """Within the block no standby receives WAL from ``primary``: its
+        ``pg_hba.conf`` refuses replication connections (a standby that
+        connects late gets nothing either), and its WAL senders are SIGSTOPped.
+        Replication is asynchronous: commits do not wait for them."""
+        hba = primary.data / "pg_hba.conf"
+        rules = hba.read_text()
+        hba.write_text("host replication all 127.0.0.1/32 reject\n" + rules)
+        self.sql(primary, "SELECT pg_reload_conf()")
+        senders = [
+            int(pid)
+            for (pid,) in self.sql(
+                primary, "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walsender'"
+            )
+        ]
+        for pid in senders:
             os.kill(pid, signal.SIGSTOP)
-        primary.frozen.extend(senders.values())
+        primary.frozen.extend(senders)
         try:
-            yield sorted(senders)
+            yield
         finally:
-            for pid in senders.values():
+            for pid in senders:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-            primary.frozen = [p for p in primary.frozen if p not in senders.values()]
+            primary.frozen = [p for p in primary.frozen if p not in senders]
+            with contextlib.suppress(OSError):
+                hba.write_text(rules)
+            with contextlib.suppress(Exception):
+                self.sql(primary, "SELECT pg_reload_conf()", timeout=2)
+
+    def fork_lsn(self, primary: Member) -> int:
+        """Where ``primary``'s timeline forked off its parent (its history file)."""
+        (name,) = self.sql(primary, "SELECT pg_walfile_name(pg_current_wal_lsn())")[0]
+        history = self.sql(primary, "SELECT pg_read_file(%s)", f"pg_wal/{name[:8]}.history")
+        last = history[0][0].strip().splitlines()[-1].split()
+        high, low = last[1].split("/")
+        return (int(high, 16) << 32) + int(low, 16)
 
     def lsn(self, member: Member, received: bool = False) -> int:
         """``member``'s current WAL position (a standby: replayed, or ``received``)."""

@@ -73,8 +73,11 @@ HANG = 60.0
 # -- the holder processes ------------------------------------------------------
 
 
-def _holder(settings: dict[str, Any], log_path: str, stop_path: str, seed: int) -> None:
-    """Take leases on KEYS until ``stop_path`` exists; one JSON line per event."""
+def _holder(
+    settings: dict[str, Any], log_path: str, go_path: str, stop_path: str, seed: int
+) -> None:
+    """Once ``go_path`` exists, take leases on KEYS until ``stop_path`` exists;
+    one JSON line per event."""
     import faulthandler
 
     from django.db import Error, connections
@@ -104,7 +107,8 @@ def _holder(settings: dict[str, Any], log_path: str, stop_path: str, seed: int) 
         try:
             with connections[ALIAS].cursor() as cur:
                 cur.execute(
-                    "SELECT token, fence, extract(epoch from acquired_at), inet_server_port() "
+                    "SELECT token, fence, extract(epoch from acquired_at), inet_server_port(), "
+                    "('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int "
                     "FROM django_dlock_lock WHERE name = %s",
                     [f"lock:{key}"],
                 )
@@ -114,8 +118,16 @@ def _holder(settings: dict[str, Any], log_path: str, stop_path: str, seed: int) 
             return {"probe": type(exc).__name__}
         if row is None:
             return {"probe": "no row"}
-        return {"row_token": row[0], "row_fence": row[1], "db_at": float(row[2]), "port": row[3]}
+        return {
+            "row_token": row[0],
+            "row_fence": row[1],
+            "db_at": float(row[2]),
+            "port": row[3],
+            "timeline": row[4],
+        }
 
+    while not os.path.exists(go_path):
+        time.sleep(0.05)
     while not os.path.exists(stop_path):
         key = rng.choice(KEYS)
         lk = dlock.lock(key, using=ALIAS, ttl=LEASE_TTL)
@@ -201,6 +213,8 @@ class Campaign:
     wall: float
     hangs: list[str]
     load: tuple[float, float, float]
+    #: (what, seconds since the module's start)
+    phases: list[tuple[str, float]]
 
 
 def _next_grant(directory: Path, fault: Fault) -> float | None:
@@ -218,12 +232,14 @@ def _next_grant(directory: Path, fault: Fault) -> float | None:
 class Faults:
     """The faults, one after another, each waited out until the holders are granted again."""
 
-    def __init__(self, cluster: PatroniCluster, directory: Path) -> None:
+    def __init__(self, cluster: PatroniCluster, directory: Path, phase: Any) -> None:
         self.cluster = cluster
         self.directory = directory
         self.done: list[Fault] = []
+        self.phase = phase
 
     def _begin(self, kind: str, leader: Member) -> Fault:
+        self.phase(f"{kind}: injected")
         return Fault(kind, time.time(), leader.name)
 
     def _end(self, fault: Fault, leader: Member) -> None:
@@ -232,23 +248,28 @@ class Faults:
             fault.old_port = self.cluster.member(fault.before).port
         fault.timeline = self.cluster.timeline()
         self.done.append(fault)
+        self.phase(f"{fault.kind}: new leader")
         # the holders are granted again (on the new leader) before the next fault
         deadline = time.monotonic() + NEXT_GRANT_BOUND + 30
         while fault.next_grant is None and time.monotonic() < deadline:
             time.sleep(0.2)
             fault.next_grant = _next_grant(self.directory, fault)
+        self.phase(f"{fault.kind}: granted again")
 
-    def healthy(self) -> Member:
-        """A leader, and every member streaming from it (one that cannot follow
-        the new timeline is re-initialized, as an operator would)."""
+    def healthy(self, standbys: int | None = None) -> Member:
+        """A leader, and ``standbys`` members streaming from it (``None``: every
+        member whose Patroni runs). One that does not come is re-initialized,
+        as an operator would (``patronictl reinit``)."""
         try:
-            return self.cluster.wait_healthy(timeout=30)
+            return self.cluster.wait_healthy(timeout=20, standbys=standbys)
         except TimeoutError:
-            self.cluster.reinitialize_stragglers()
-            return self.cluster.wait_healthy(timeout=90)
+            self.phase(f"re-initialized {self.cluster.reinitialize_stragglers()}")
+            return self.cluster.wait_healthy(timeout=90, standbys=standbys)
+        finally:
+            self.phase("healthy")
 
     def node_crash(self) -> None:
-        leader = self.healthy()
+        leader = self.healthy(standbys=1)
         self.cluster.crash_node(leader)
         fault = self._begin("node crash", leader)
         new = self.cluster.wait_leader(timeout=TTL + 60, other_than=leader)
@@ -256,39 +277,36 @@ class Faults:
         self._end(fault, new)
 
     def postmaster_kill(self) -> None:
-        leader = self.healthy()
+        leader = self.healthy(standbys=0)
         self.cluster.kill_postmaster(leader)
         fault = self._begin("postmaster SIGKILL", leader)
         self._end(fault, self.cluster.wait_leader(timeout=TTL + 60))
 
     def two_switchovers(self) -> None:
-        leader = self.healthy()
+        leader = self.healthy(standbys=2)
         first, second = [m for m in self.cluster.members if m is not leader][:2]
         fault = self._begin("switchover", leader)
         self.cluster.switchover(leader, first)
         # at once, while the third member may still follow the old timeline
         fault2 = self._begin("switchover (back to back)", first)
         self.cluster.switchover(first, second)
-        self._end(fault, second)
+        self._end(fault, first)
         self._end(fault2, second)
 
     def async_failover_missing_wal(self) -> None:
-        leader = self.healthy()
-        with self.cluster.wal_withheld(leader) as standbys:
+        leader = self.healthy(standbys=1)
+        with self.cluster.wal_withheld(leader):
             withheld = time.time()
             # the holders are granted on the primary, nothing reaches the standbys
             while time.time() < withheld + 1.5:
                 time.sleep(0.1)
             written = self.cluster.lsn(leader)
-            received = {
-                name: self.cluster.lsn(self.cluster.member(name), True) for name in standbys
-            }
             self.cluster.crash_node(leader)
             fault = self._begin("async failover, last WAL lost", leader)
         new = self.cluster.wait_leader(timeout=TTL + 60, other_than=leader)
         fault.notes = {
-            "withheld_from": standbys,
-            "wal_bytes_lost": written - received.get(new.name, written),
+            # at least: the primary wrote on after it was asked its position
+            "wal_bytes_lost": written - self.cluster.fork_lsn(new),
             "grants_while_withheld": sum(
                 1
                 for g in _records(self.directory)
@@ -298,13 +316,26 @@ class Faults:
         self.cluster.start_patroni(leader)
         self._end(fault, new)
 
+    def primary_frozen(self) -> None:
+        leader = self.healthy(standbys=1)
+        self.cluster.freeze(leader)
+        fault = self._begin("primary SIGSTOPped", leader)
+        try:
+            new = self.cluster.wait_leader(timeout=TTL + 60, other_than=leader)
+            # frozen until the holders are granted again (or past the bound)
+            while time.time() < fault.at + NEXT_GRANT_BOUND + 5:
+                if _next_grant(self.directory, fault) is not None:
+                    break
+                time.sleep(0.2)
+        finally:
+            self.cluster.thaw(leader)  # its Patroni demotes it
+        self._end(fault, new)
+
     def patroni_stop(self) -> None:
-        leader = self.healthy()
+        leader = self.healthy(standbys=1)
         fault = self._begin("Patroni stopped", leader)
         self.cluster.stop_patroni(leader)
-        new = self.cluster.wait_leader(timeout=TTL + 60, other_than=leader)
-        self.cluster.start_patroni(leader)
-        self._end(fault, new)
+        self._end(fault, self.cluster.wait_leader(timeout=TTL + 60, other_than=leader))
 
 
 def _run_campaign(tmp: Path, django_db_blocker: Any) -> Campaign:
@@ -312,29 +343,43 @@ def _run_campaign(tmp: Path, django_db_blocker: Any) -> Campaign:
     cluster = PatroniCluster()
     children: list[Any] = []
     hangs: list[str] = []
+    phases: list[tuple[str, float]] = []
+
+    def phase(what: str) -> None:
+        phases.append((what, round(time.monotonic() - began, 1)))
+
     try:
+        from django.db import connections
+
+        # The holders start (a fresh interpreter, Django) while the cluster does.
+        settings = cluster.database_settings(connections.settings["default"], DATABASE)
+        go, stop = tmp / "go", tmp / "stop"
+        children = [
+            procs.start(_holder, settings, str(tmp / f"holder-{n}.jsonl"), str(go), str(stop), n)
+            for n in range(HOLDERS)
+        ]
         cluster.start()
-        with django_db_blocker.unblock(), cluster.attached(ALIAS, DATABASE) as settings:
-            stop = tmp / "stop"
-            children = [
-                procs.start(_holder, settings, str(tmp / f"holder-{n}.jsonl"), str(stop), n)
-                for n in range(HOLDERS)
-            ]
+        phase("cluster started")
+        with django_db_blocker.unblock(), cluster.attached(ALIAS, DATABASE):
+            phase("migrated")
+            go.touch()
             deadline = time.monotonic() + 60
             while len({g["pid"] for g in _records(tmp) if g["ev"] == "grant"}) < HOLDERS:
                 assert time.monotonic() < deadline, f"holders granted nothing: {_records(tmp)}"
                 time.sleep(0.1)
-            faults = Faults(cluster, tmp)
+            phase("holders granted")
+            faults = Faults(cluster, tmp, phase)
             try:
-                faults.node_crash()
-                faults.postmaster_kill()
                 faults.two_switchovers()
+                faults.postmaster_kill()
+                faults.node_crash()
                 faults.async_failover_missing_wal()
                 faults.patroni_stop()
             except BaseException:
                 print(cluster.logs())
                 raise
             stop.touch()
+            phase("faults done")
             for child in children:
                 child.join(HANG)
                 if child.is_alive():
@@ -350,6 +395,7 @@ def _run_campaign(tmp: Path, django_db_blocker: Any) -> Campaign:
             wall=time.monotonic() - began,
             hangs=hangs,
             load=os.getloadavg(),
+            phases=phases,
         )
     finally:
         for child in children:
@@ -378,6 +424,7 @@ def _report(campaign: Campaign) -> dict[str, Any]:
             kind: (round(max(times), 2), round(statistics.median(times), 2))
             for kind, times in by_kind.items()
         },
+        "phases (s since start)": campaign.phases,
         "per fault": [
             {
                 "kind": f.kind,
@@ -408,10 +455,10 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, django_db_blocker: Any) -
 
 def test_every_fault_was_injected_and_holders_were_granted(campaign):
     assert [f.kind for f in campaign.faults] == [
-        "node crash",
-        "postmaster SIGKILL",
         "switchover",
         "switchover (back to back)",
+        "postmaster SIGKILL",
+        "node crash",
         "async failover, last WAL lost",
         "Patroni stopped",
     ]
@@ -444,63 +491,52 @@ def test_no_two_holders_of_a_key_at_once(campaign):
     release said ``LockLost`` did not hold its lease to the end (an
     asynchronous fail-over lost it): those are what fencing numbers are for,
     counted apart."""
-    overlaps, with_lost = [], []
-    for key, grants in _by_key(campaign.grants).items():
-        for i, earlier in enumerate(grants):
-            for later in grants[i + 1 :]:
-                if later["t1"] >= earlier["t2"]:
-                    break
-                pair = (key, _brief(earlier), _brief(later))
-                if "lost" in (earlier["outcome"], later["outcome"]):
-                    with_lost.append(pair)
-                else:
-                    overlaps.append(pair)
+    overlaps, with_lost = _overlaps(campaign.grants)
     print(f"\noverlaps with a holder that learnt it had lost its lease: {len(with_lost)}")
     assert not overlaps, overlaps[:20]
 
 
 def test_no_lease_granted_twice(campaign):
     """One lease row (key, token, the database's acquired_at) is one grant."""
-    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-    twice = []
-    for grant in campaign.grants:
-        if "db_at" not in grant or grant["row_token"] != grant["token"]:
-            continue
-        if grant["row_fence"] != grant["fence"]:
-            continue
-        identity = (grant["key"], grant["token"], grant["db_at"])
-        if identity in seen:
-            twice.append((_brief(seen[identity]), _brief(grant)))
-        seen[identity] = grant
-    assert seen, "no grant could be read back from the database"
+    twice, read_back = _granted_twice(campaign.grants)
+    assert read_back, "no grant could be read back from the database"
     assert not twice, twice[:20]
 
 
 def test_fences_never_repeat_or_go_backwards(campaign):
     """Per key, in the order of the grants, every fencing number is above the
-    key's previous ones. (Also counted: numbers handed out twice, any key.)"""
-    problems, keys = [], set()
-    for key, grants in _by_key(campaign.grants).items():
-        highest: dict[str, Any] | None = None
-        for grant in grants:
-            if highest is not None and grant["fence"] <= highest["fence"]:
-                what = "repeated" if grant["fence"] == highest["fence"] else "backwards"
-                keys.add(key)
-                problems.append(
-                    f"{key}: {what}: {grant['fence']} at {_when(campaign, grant)} after "
-                    f"{highest['fence']} at {_when(campaign, highest)}"
-                )
-            if highest is None or grant["fence"] > highest["fence"]:
-                highest = grant
-    issued = collections.Counter(g["fence"] for g in campaign.grants)
-    twice = sorted(f for f, n in issued.items() if n > 1)
-    summary = (
-        f"{len(problems)} grants with a number not above their key's previous one "
-        f"({len(keys)} of {len(KEYS)} keys); "
-        f"{len(twice)} numbers issued more than once (any key): {twice[:20]}"
-    )
-    print(f"\nfences: {summary}")
-    assert not problems and not twice, summary + "\n" + "\n".join(problems[:30])
+    key's previous ones. (Also counted: numbers handed out twice, any key.)
+
+    The message groups the bad grants by the fault they came after, with the
+    timeline and port of the member that granted them."""
+    lines = _fence_problems(campaign.grants, campaign.faults)
+    print("\nfences: " + "\n".join(lines or ["every number above its key's previous one"]))
+    assert not lines, "\n".join(lines)
+
+
+def test_the_checks_find_what_they_look_for():
+    """The checks above, on records made up to break each of them."""
+
+    def grant(key: str, fence: int, t1: float, t2: float, **more: Any) -> dict[str, Any]:
+        found = {"key": key, "fence": fence, "t1": t1, "t2": t2, "pid": 1, "outcome": "released"}
+        found.update(token="a", row_token="a", row_fence=fence, db_at=t1, port=5, timeline=1)
+        return {**found, **more}
+
+    fine = [grant("k", 1, 0.0, 1.0), grant("k", 2, 1.0, 2.0), grant("j", 3, 0.5, 3.0)]
+    assert _overlaps(fine) == ([], [])
+    assert _granted_twice(fine) == ([], 3)
+    assert _fence_problems(fine, []) == []
+    # two holders at once; the same with a holder that learnt it lost its lease
+    assert len(_overlaps([*fine, grant("k", 4, 1.5, 2.5)])[0]) == 1
+    assert _overlaps([*fine, grant("k", 4, 1.5, 2.5, outcome="lost")])[0] == []
+    # one lease row reported by two grants
+    assert len(_granted_twice([*fine, grant("k", 5, 5.0, 5.1, db_at=0.0)])[0]) == 1
+    # a number below the key's previous one, and one issued twice (two keys)
+    fault = Fault("switchover", 2.5, "pg1")
+    problems = _fence_problems([*fine, grant("k", 2, 3.0, 3.5), grant("i", 3, 4.0, 5.0)], [fault])
+    assert problems[0].startswith("1 grants got a number not above"), problems
+    assert "2 numbers were issued more than once" in problems[0], problems
+    assert problems[1].startswith("after 'switchover': 1 grants, keys ['k']"), problems
 
 
 def test_next_grant_after_each_fault_within_ttl_plus_5_s(campaign):
@@ -518,10 +554,84 @@ def _brief(grant: dict[str, Any]) -> str:
     )
 
 
-def _when(campaign: Campaign, grant: dict[str, Any]) -> str:
-    """The grant's time, said as: after which fault, and how long after."""
-    before = [f for f in campaign.faults if f.at <= grant["t1"]]
-    if not before:
-        return "before the first fault"
-    last = before[-1]
-    return f"{grant['t1'] - last.at:.1f} s after '{last.kind}' (port {grant.get('port')})"
+def _after(faults: list[Fault], grant: dict[str, Any]) -> str:
+    """The last fault injected before ``grant``."""
+    before = [f.kind for f in faults if f.at <= grant["t1"]]
+    return before[-1] if before else "(no fault yet)"
+
+
+def _fence(grant: dict[str, Any]) -> str:
+    """A grant's fencing number, where it came from (timeline, port) and when."""
+    return (
+        f"{grant['fence']} (timeline {grant.get('timeline')}, port {grant.get('port')}, "
+        f"t={grant['t1']:.1f})"
+    )
+
+
+def _overlaps(grants: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
+    """Pairs of grants of one key whose critical sections overlap: those where
+    both held their lease to the end, and those where one learnt it had not."""
+    overlaps, with_lost = [], []
+    for key, found in _by_key(grants).items():
+        for i, earlier in enumerate(found):
+            for later in found[i + 1 :]:
+                if later["t1"] >= earlier["t2"]:
+                    break
+                pair = (key, _brief(earlier), _brief(later))
+                if "lost" in (earlier["outcome"], later["outcome"]):
+                    with_lost.append(pair)
+                else:
+                    overlaps.append(pair)
+    return overlaps, with_lost
+
+
+def _granted_twice(grants: list[dict[str, Any]]) -> tuple[list[Any], int]:
+    """Grants that report a lease row (key, token, acquired_at on the database
+    clock) another grant reported already; and how many could be read back."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    twice = []
+    for grant in grants:
+        if "db_at" not in grant or grant["row_token"] != grant["token"]:
+            continue
+        if grant["row_fence"] != grant["fence"]:
+            continue
+        identity = (grant["key"], grant["token"], grant["db_at"])
+        if identity in seen:
+            twice.append((_brief(seen[identity]), _brief(grant)))
+        seen[identity] = grant
+    return twice, len(grants) - sum(1 for g in grants if "db_at" not in g)
+
+
+def _fence_problems(grants: list[dict[str, Any]], faults: list[Fault]) -> list[str]:
+    """What is wrong with the fencing numbers (nothing: an empty list)."""
+    bad: dict[str, list[str]] = collections.defaultdict(list)
+    keys: dict[str, set[str]] = collections.defaultdict(set)
+    for key, found in _by_key(grants).items():
+        highest: dict[str, Any] | None = None
+        for grant in found:
+            if highest is not None and grant["fence"] <= highest["fence"]:
+                what = "repeats" if grant["fence"] == highest["fence"] else "is below"
+                fault = _after(faults, grant)
+                keys[fault].add(key)
+                bad[fault].append(
+                    f"{key}: {_fence(grant)} {what} {_fence(highest)} "
+                    f"({grant['t1'] - highest['t1']:.1f} s earlier)"
+                )
+            if highest is None or grant["fence"] > highest["fence"]:
+                highest = grant
+    issued = collections.Counter(g["fence"] for g in grants)
+    twice = sorted(f for f, n in issued.items() if n > 1)
+    if not bad and not twice:
+        return []
+    lines = [
+        f"{sum(map(len, bad.values()))} grants got a number not above their key's "
+        f"previous one; {len(twice)} numbers were issued more than once (any key)"
+    ]
+    for fault, found in bad.items():
+        lines.append(
+            f"after '{fault}': {len(found)} grants, keys {sorted(keys[fault])}, e.g.\n    "
+            + "\n    ".join(found[:4])
+        )
+    if twice:
+        lines.append(f"numbers issued twice: {twice[:10]}")
+    return lines
