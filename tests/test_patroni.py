@@ -68,6 +68,9 @@ HOLD = 0.02
 NEXT_GRANT_BOUND = TTL + 5.0
 #: a lock call that takes longer than this is a hang
 HANG = 60.0
+#: how many times the faults are run (one round in CI: about 80 s for the
+#: module; more to measure, e.g. DLOCK_TEST_PATRONI_ROUNDS=5)
+ROUNDS = int(os.environ.get("DLOCK_TEST_PATRONI_ROUNDS", "1"))
 
 
 # -- the holder processes ------------------------------------------------------
@@ -335,7 +338,9 @@ class Faults:
         leader = self.healthy(standbys=1)
         fault = self._begin("Patroni stopped", leader)
         self.cluster.stop_patroni(leader)
-        self._end(fault, self.cluster.wait_leader(timeout=TTL + 60, other_than=leader))
+        new = self.cluster.wait_leader(timeout=TTL + 60, other_than=leader)
+        self.cluster.start_patroni(leader)
+        self._end(fault, new)
 
 
 def _run_campaign(tmp: Path, django_db_blocker: Any) -> Campaign:
@@ -370,11 +375,12 @@ def _run_campaign(tmp: Path, django_db_blocker: Any) -> Campaign:
             phase("holders granted")
             faults = Faults(cluster, tmp, phase)
             try:
-                faults.two_switchovers()
-                faults.postmaster_kill()
-                faults.node_crash()
-                faults.async_failover_missing_wal()
-                faults.patroni_stop()
+                for _ in range(ROUNDS):
+                    faults.two_switchovers()
+                    faults.postmaster_kill()
+                    faults.node_crash()
+                    faults.async_failover_missing_wal()
+                    faults.patroni_stop()
             except BaseException:
                 print(cluster.logs())
                 raise
@@ -454,7 +460,7 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, django_db_blocker: Any) -
 
 
 def test_every_fault_was_injected_and_holders_were_granted(campaign):
-    assert [f.kind for f in campaign.faults] == [
+    assert [f.kind for f in campaign.faults] == ROUNDS * [
         "switchover",
         "switchover (back to back)",
         "postmaster SIGKILL",
@@ -466,8 +472,10 @@ def test_every_fault_was_injected_and_holders_were_granted(campaign):
         f.after and f.after != f.before for f in campaign.faults if f.kind != "postmaster SIGKILL"
     )
     assert len(campaign.grants) > 100
-    lost_wal = campaign.faults[4].notes
-    assert lost_wal["wal_bytes_lost"] > 0 and lost_wal["grants_while_withheld"] > 0, lost_wal
+    for fault in campaign.faults:
+        if fault.kind.startswith("async"):
+            lost = fault.notes
+            assert lost["wal_bytes_lost"] > 0 and lost["grants_while_withheld"] > 0, lost
 
 
 def test_no_raw_driver_errors_and_no_hangs(campaign):
@@ -614,8 +622,8 @@ def _fence_problems(grants: list[dict[str, Any]], faults: list[Fault]) -> list[s
                 fault = _after(faults, grant)
                 keys[fault].add(key)
                 bad[fault].append(
-                    f"{key}: {_fence(grant)} {what} {_fence(highest)} "
-                    f"({grant['t1'] - highest['t1']:.1f} s earlier)"
+                    f"{key}: {_fence(grant)} {what} {_fence(highest)}, "
+                    f"granted {grant['t1'] - highest['t1']:.1f} s before"
                 )
             if highest is None or grant["fence"] > highest["fence"]:
                 highest = grant
