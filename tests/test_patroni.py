@@ -418,7 +418,10 @@ def _report(campaign: Campaign) -> dict[str, Any]:
             by_kind[fault.kind].append(fault.next_grant)
     outcomes = collections.Counter(g["outcome"] for g in campaign.grants)
     refused = collections.Counter(e.get("exc", e["ev"]) for e in campaign.events)
+    import django_dlock
+
     return {
+        "django_dlock": str(Path(django_dlock.__file__).parent),
         "cluster start (s)": round(campaign.cluster_start, 1),
         "module wall time (s)": round(campaign.wall, 1),
         "load average (1, 5, 15 min)": campaign.load,
@@ -450,7 +453,7 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, django_db_blocker: Any) -
     done = _run_campaign(tmp, django_db_blocker)
     report = json.dumps(_report(done), indent=1)
     print(f"\nPatroni campaign:\n{report}")
-    target = os.environ.get("DLOCK_PATRONI_REPORT")
+    target = os.environ.get("DLOCK_TEST_PATRONI_REPORT")
     if target:
         Path(target).write_text(report)
     return done
