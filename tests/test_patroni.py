@@ -319,21 +319,6 @@ class Faults:
         self.cluster.start_patroni(leader)
         self._end(fault, new)
 
-    def primary_frozen(self) -> None:
-        leader = self.healthy(standbys=1)
-        self.cluster.freeze(leader)
-        fault = self._begin("primary SIGSTOPped", leader)
-        try:
-            new = self.cluster.wait_leader(timeout=TTL + 60, other_than=leader)
-            # frozen until the holders are granted again (or past the bound)
-            while time.time() < fault.at + NEXT_GRANT_BOUND + 5:
-                if _next_grant(self.directory, fault) is not None:
-                    break
-                time.sleep(0.2)
-        finally:
-            self.cluster.thaw(leader)  # its Patroni demotes it
-        self._end(fault, new)
-
     def patroni_stop(self) -> None:
         leader = self.healthy(standbys=1)
         fault = self._begin("Patroni stopped", leader)
