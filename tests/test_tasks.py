@@ -16,9 +16,12 @@ from django.db import connections
 
 import django_dlock as dlock
 from django_dlock import signals
-from django_dlock.contrib.tasks import LockedTaskError, guard, locked_task
+from django_dlock.contrib.tasks import LockedTaskError, TaskResultStatus, guard, locked_task
 from django_dlock.exceptions import DLockError, InvalidLockKey
 from django_dlock.models import Lock as LockRow
+
+#: a run that ended well ("SUCCEEDED" in the backport's 0.9 series)
+SUCCEEDED = "SUCCESSFUL" if hasattr(TaskResultStatus, "SUCCESSFUL") else "SUCCEEDED"
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -186,7 +189,7 @@ def hold(key, *, permits=None):
 def test_a_run_holds_its_key_and_names_its_task_and_result():
     SEEN.clear()
     result = charge.enqueue(42, amount=5)
-    assert result.status == "SUCCESSFUL" and result.return_value == 5
+    assert result.status == SUCCEEDED and result.return_value == 5
     assert f"task tests.test_tasks.charge[{result.id}]" in SEEN[0]
     assert not dlock.lock("charge:42").locked()
 
@@ -206,7 +209,7 @@ def test_a_busy_run_in_skip_mode_returns_none_with_a_signal_and_a_log_line(caplo
         done.set()
         thread.join()
         signals.lock_skipped.disconnect(receiver)
-    assert result.status == "SUCCESSFUL" and result.return_value is None
+    assert result.status == SUCCEEDED and result.return_value is None
     assert got == [
         {
             "signal": signals.lock_skipped,

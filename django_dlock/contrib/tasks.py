@@ -63,13 +63,17 @@ from django_dlock.keys import MAX_KEY_LENGTH, make_key
 from django_dlock.locks import Lock, why_busy
 
 try:  # Django 6: the framework is part of Django
-    from django.tasks import TaskContext, task_backends
+    from django.tasks import TaskContext, TaskResultStatus, task_backends
     from django.tasks import task as framework_task
     from django.tasks.base import Task
     from django.tasks.exceptions import InvalidTask
 except ImportError:  # Django 4.2 / 5.2: the django-tasks backport (extra "tasks")
     try:
-        from django_tasks import TaskContext, task_backends  # type: ignore[no-redef]
+        from django_tasks import (  # type: ignore[no-redef]
+            TaskContext,
+            TaskResultStatus,
+            task_backends,
+        )
         from django_tasks import task as framework_task  # type: ignore[no-redef]
         from django_tasks.base import Task  # type: ignore[no-redef]
         from django_tasks.exceptions import (  # type: ignore[no-redef]
@@ -81,7 +85,19 @@ except ImportError:  # Django 4.2 / 5.2: the django-tasks backport (extra "tasks
             'or on older Django the django-tasks backport (pip install "django-dlock[tasks]")'
         ) from exc
 
-__all__ = ["LockedTaskError", "guard", "locked_task"]
+#: ``Task``, ``TaskContext``, ``TaskResultStatus`` and ``task_backends`` are
+#: the framework's in use (Django's own, or the backport's), for code that
+#: serves both
+__all__ = [
+    "LockedTask",
+    "LockedTaskError",
+    "Task",
+    "TaskContext",
+    "TaskResultStatus",
+    "guard",
+    "locked_task",
+    "task_backends",
+]
 
 logger = logging.getLogger("django_dlock")
 
