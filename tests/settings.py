@@ -166,13 +166,3 @@ if _TASKS_PREFIX:
     else:
         TASKS["default"] = TASKS["immediate"]
 
-
-class _TaskResultsOnDefault:
-    """The task backend's results live on ``default`` only (its checks and
-    tables stay off the other test databases)."""
-
-    def allow_migrate(self, db: str, app_label: str, **hints: object) -> bool | None:
-        return db == "default" if app_label == "django_tasks_database" else None
-
-
-DATABASE_ROUTERS = [_TaskResultsOnDefault()]
