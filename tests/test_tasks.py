@@ -140,6 +140,7 @@ def test_literal_braces_and_separators_are_fine():
         ({"ttl": -1}, "ttl"),
         ({"key": 42}, "key must be a string"),
         ({"on_busy": "retry"}, "cannot defer"),  # the immediate backend
+        ({"takes_context": True}, "first argument must be named 'context'"),
     ],
 )
 def test_options_that_cannot_work_are_refused_at_definition(options, match):

@@ -264,8 +264,13 @@ def _spec(
         )
     signature = inspect.signature(func)
     if takes_context:
-        params = list(signature.parameters.values())[1:]  # the framework checks it is "context"
-        signature = signature.replace(parameters=params)
+        params = list(signature.parameters.values())
+        if not params or params[0].name != "context":
+            raise LockedTaskError(
+                f"task {name} takes its context (takes_context=True), so its first "
+                "argument must be named 'context'"
+            )
+        signature = signature.replace(parameters=params[1:])
     template = None
     if isinstance(key, str):
         template = _template(key, name, signature)
