@@ -157,7 +157,7 @@ elif _find_spec("django_tasks"):
 else:
     _TASKS_DB_BACKEND = _TASKS_PREFIX = ""
 if _TASKS_PREFIX:
-    TASKS = {
+    TASKS: dict[str, dict[str, object]] = {
         "immediate": {"BACKEND": f"{_TASKS_PREFIX}.immediate.ImmediateBackend"},
         "dummy": {"BACKEND": f"{_TASKS_PREFIX}.dummy.DummyBackend"},
     }
@@ -165,4 +165,3 @@ if _TASKS_PREFIX:
         TASKS["default"] = {"BACKEND": _TASKS_DB_BACKEND, "QUEUES": []}
     else:
         TASKS["default"] = TASKS["immediate"]
-

@@ -49,7 +49,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from django.utils import timezone
 
@@ -62,28 +62,29 @@ from django_dlock.identity import doing
 from django_dlock.keys import MAX_KEY_LENGTH, make_key
 from django_dlock.locks import Lock, why_busy
 
-try:  # Django 6: the framework is part of Django
+if TYPE_CHECKING:  # typed against Django 6's own framework
     from django.tasks import TaskContext, TaskResultStatus, task_backends
     from django.tasks import task as framework_task
     from django.tasks.base import Task
     from django.tasks.exceptions import InvalidTask
-except ImportError:  # Django 4.2 / 5.2: the django-tasks backport (extra "tasks")
-    try:
-        from django_tasks import (  # type: ignore[no-redef]
-            TaskContext,
-            TaskResultStatus,
-            task_backends,
-        )
-        from django_tasks import task as framework_task  # type: ignore[no-redef]
-        from django_tasks.base import Task  # type: ignore[no-redef]
-        from django_tasks.exceptions import (  # type: ignore[no-redef]
-            InvalidTaskError as InvalidTask,
-        )
-    except ImportError as exc:
-        raise ImportError(
-            "django_dlock.contrib.tasks needs Django's Tasks framework: Django 6 or later, "
-            'or on older Django the django-tasks backport (pip install "django-dlock[tasks]")'
-        ) from exc
+else:
+    try:  # Django 6: the framework is part of Django
+        from django.tasks import TaskContext, TaskResultStatus, task_backends
+        from django.tasks import task as framework_task
+        from django.tasks.base import Task
+        from django.tasks.exceptions import InvalidTask
+    except ImportError:  # Django 4.2 / 5.2: the django-tasks backport (extra "tasks")
+        try:
+            from django_tasks import TaskContext, TaskResultStatus, task_backends
+            from django_tasks import task as framework_task
+            from django_tasks.base import Task
+            from django_tasks.exceptions import InvalidTaskError as InvalidTask
+        except ImportError as exc:
+            raise ImportError(
+                "django_dlock.contrib.tasks needs Django's Tasks framework: Django 6 or "
+                "later, or on older Django the django-tasks backport "
+                '(pip install "django-dlock[tasks]")'
+            ) from exc
 
 #: ``Task``, ``TaskContext``, ``TaskResultStatus`` and ``task_backends`` are
 #: the framework's in use (Django's own, or the backport's), for code that

@@ -1,4 +1,4 @@
-"""Cost of ``locked_task``: a task's body called plain, under a bare lock pair, and as a locked task.
+"""Cost of ``locked_task``: a body called plain, under a bare lock pair, and as a locked task.
 
 ``python -m tests.benchmarks.tasks_overhead [--rounds 21] [--seconds 0.5]``
 
