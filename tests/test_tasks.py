@@ -16,7 +16,14 @@ from django.db import connections
 
 import django_dlock as dlock
 from django_dlock import signals
-from django_dlock.contrib.tasks import LockedTaskError, TaskResultStatus, guard, locked_task
+from django_dlock.contrib.tasks import (
+    LockedTask,
+    LockedTaskError,
+    Task,
+    TaskResultStatus,
+    guard,
+    locked_task,
+)
 from django_dlock.exceptions import DLockError, InvalidLockKey
 from django_dlock.models import Lock as LockRow
 
@@ -163,6 +170,49 @@ def test_it_is_still_a_task_of_the_framework():
     assert charge.name == "charge"
     assert charge.module_path == "tests.test_tasks.charge"
     assert charge.using(priority=0).lock_spec is charge.lock_spec
+
+
+try:  # the framework's in-process backend, on Django 6 or from the backport
+    from django.tasks.backends.dummy import DummyBackend
+except ImportError:
+    from django_tasks.backends.dummy import DummyBackend
+
+
+class CustomTask(Task):
+    """A backend's own task class."""
+
+    __slots__ = ()
+
+    def enqueue(self, *args, **kwargs):
+        SEEN.append("custom enqueue")
+        return super().enqueue(*args, **kwargs)
+
+
+class CustomBackend(DummyBackend):
+    task_class = CustomTask
+
+
+custom_job = None
+
+
+def test_a_backend_with_a_task_class_of_its_own_gets_a_locked_one(settings):
+    settings.TASKS = {
+        "default": {"BACKEND": "tests.test_tasks.CustomBackend"},
+        "immediate": {"BACKEND": settings.TASKS["immediate"]["BACKEND"]},
+    }
+
+    global custom_job  # the backend finds a task by its module path
+
+    def job(n): ...
+
+    job.__qualname__ = job.__name__ = "custom_job"
+    task = custom_job = locked_task(key="job:{n}", on_busy="retry")(job)
+    assert isinstance(task, CustomTask) and isinstance(task, LockedTask)
+    SEEN.clear()
+    task.enqueue(1)
+    assert SEEN == ["custom enqueue"]
+    with pytest.raises(LockedTaskError, match="cannot defer"):
+        task.using(backend="immediate").enqueue(1)
 
 
 # -- runs ----------------------------------------------------------------------

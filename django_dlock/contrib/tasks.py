@@ -460,20 +460,10 @@ _CLASSES: dict[type, type] = {Task: LockedTask}
 
 def _locked_class(base: type) -> type:
     """``LockedTask`` for the framework's ``Task``; for a backend's own task
-    class, the same methods on a subclass of it."""
+    class, a class of both (``LockedTask``'s checks first, then the backend's)."""
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = type(
-            f"Locked{base.__name__}",
-            (base,),
-            {
-                "__slots__": (),
-                "__module__": __name__,
-                "lock_spec": LockedTask.lock_spec,
-                "enqueue": LockedTask.enqueue,
-                "aenqueue": LockedTask.aenqueue,
-            },
-        )
+        cls = type(f"Locked{base.__name__}", (LockedTask, base), {"__slots__": ()})
         _CLASSES[base] = cls
     return cls
 
