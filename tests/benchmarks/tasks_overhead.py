@@ -1,7 +1,6 @@
 """Cost of ``locked_task``: a body called plain, under a bare lock pair, and as a locked task.
 
 ``python -m tests.benchmarks.tasks_overhead [--rounds 21] [--seconds 0.5]``
-``python -m tests.benchmarks.tasks_overhead --instructions`` (valgrind)
 
 * **body**: ``Task.call()`` of a plain ``@task`` (the framework's own call of
   the function, what a worker does once it has the run);
@@ -18,11 +17,6 @@ gives the median time per call and the median of the same round's ratios.
 On PostgreSQL (a database of its own, suffixed with ``DLOCK_TEST_DB_SUFFIX``).
 The worker's own cost per run (claiming the run, saving its result) is not
 in any of them. Not part of the test run.
-
-Wall-clock times on a busy shared machine move by more than these differ;
-``--instructions`` counts the client instructions of one call of each
-instead, with callgrind, as ``tests.benchmarks.instructions`` does for the
-lock pairs (the same count whatever else the machine does).
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,68 +67,16 @@ def contenders() -> dict[str, tuple[Callable[[], None], Any]]:
     }
 
 
-FEW, MANY = 100, 600
-
-
-def child(name: str, calls: int) -> None:
-    from .common import setup_django
-
-    setup_django()
-    call = contenders()[name][0]
-    for _ in range(50):  # warm up: caches, prepared statements, the connection
-        call()
-    for _ in range(calls):
-        call()
-
-
-def instructions(name: str) -> int:
-    """Client instructions of one call of ``name``, counted by callgrind."""
-    return (_collected_here(name, MANY) - _collected_here(name, FEW)) // (MANY - FEW)
-
-
-def _collected_here(name: str, calls: int) -> int:
-    import re
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "callgrind.out")
-        done = subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-            + ["-m", "tests.benchmarks.tasks_overhead", "--child", name, str(calls)],
-            env={**os.environ, "PYTHONHASHSEED": "0"},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if found is None:
-        raise RuntimeError(f"callgrind gave no count for {name}: {done.stderr[-500:]}")
-    return int(found.group(1))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.tasks_overhead")
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--seconds", type=float, default=0.5)
-    parser.add_argument("--instructions", action="store_true")
-    parser.add_argument("--child", nargs=2, metavar=("NAME", "CALLS"))
     args = parser.parse_args(argv)
-    if args.child:
-        child(args.child[0], int(args.child[1]))
-        return 0
 
     from .common import ensure_databases, measure_in_turn, setup_django
 
     setup_django()
     ensure_databases()
-    if args.instructions:
-        counts = {name: instructions(name) for name in contenders()}
-        print("| call | client instructions per call | vs the bare pair |")
-        print("| --- | ---: | ---: |")
-        for name, count in counts.items():
-            print(f"| {name} | {count / 1000:,.1f}k | {count / counts['pair']:.2f}x |")
-        return 0
     rates = measure_in_turn(contenders(), args.rounds, args.seconds)
 
     def us(name: str) -> float:
