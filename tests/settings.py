@@ -135,3 +135,33 @@ LOGGING = {
     "handlers": {"null": {"class": "logging.NullHandler"}},
     "loggers": {"django_dlock": {"handlers": ["null"], "level": "DEBUG"}},
 }
+
+# Django's Tasks framework (django_dlock.contrib.tasks): on Django 6 its own
+# ``django.tasks`` with django-tasks-db's ORM backend and ``db_worker``; on
+# older Django the django-tasks backport, whose 0.9 series ships that backend.
+from importlib.util import find_spec as _find_spec  # noqa: E402
+
+import django as _django  # noqa: E402
+
+if _django.VERSION >= (6, 0):
+    if _find_spec("django_tasks_db"):
+        INSTALLED_APPS.append("django_tasks_db")
+        _TASKS_DB_BACKEND = "django_tasks_db.DatabaseBackend"
+    else:
+        _TASKS_DB_BACKEND = ""
+    _TASKS_PREFIX = "django.tasks.backends"
+elif _find_spec("django_tasks"):
+    INSTALLED_APPS += ["django_tasks", "django_tasks.backends.database"]
+    _TASKS_DB_BACKEND = "django_tasks.backends.database.DatabaseBackend"
+    _TASKS_PREFIX = "django_tasks.backends"
+else:
+    _TASKS_DB_BACKEND = _TASKS_PREFIX = ""
+if _TASKS_PREFIX:
+    TASKS: dict[str, dict[str, object]] = {
+        "immediate": {"BACKEND": f"{_TASKS_PREFIX}.immediate.ImmediateBackend"},
+        "dummy": {"BACKEND": f"{_TASKS_PREFIX}.dummy.DummyBackend"},
+    }
+    if _TASKS_DB_BACKEND:
+        TASKS["default"] = {"BACKEND": _TASKS_DB_BACKEND, "QUEUES": []}
+    else:
+        TASKS["default"] = TASKS["immediate"]

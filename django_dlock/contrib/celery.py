@@ -3,7 +3,7 @@
 ::
 
     from celery import shared_task
-    from django_dlock.contrib.celery import SingleInstanceTask
+    X SingleInstanceTask
 
     @shared_task(base=SingleInstanceTask, lock_args=["invoice_id"])
     def charge(invoice_id, amount): ...
@@ -44,13 +44,9 @@ accepts them): ``lock_args``, ``lock_ttl``, ``lock_timeout``, ``on_locked``,
 from __future__ import annotations
 
 import contextlib
-import datetime
-import decimal
 import hashlib
 import inspect
-import json
 import logging
-import uuid
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -60,7 +56,8 @@ from celery import Task
 from django_dlock import signals
 from django_dlock._http import guarded_call
 from django_dlock.conf import conf
-from django_dlock.exceptions import DLockError, InvalidLockKey
+from django_dlock.contrib._values import encode_value
+from django_dlock.exceptions import DLockError
 from django_dlock.identity import doing
 from django_dlock.keys import MAX_KEY_LENGTH
 from django_dlock.locks import Lock, why_busy
@@ -71,55 +68,6 @@ __all__ = ["SingleInstanceTask"]
 logger = logging.getLogger("django_dlock")
 
 ON_LOCKED = ("skip", "retry")
-
-#: types encoded by their ``repr()``, which is stable across processes and,
-#: starting with a letter other than ``t``, ``f`` or ``n``, never a JSON literal
-_REPR_TYPES = (
-    uuid.UUID,
-    decimal.Decimal,
-    datetime.datetime,
-    datetime.date,
-    datetime.time,
-    datetime.timedelta,
-)
-
-
-def encode_value(value: object) -> str:
-    """One argument value as text, distinct for distinct values and types.
-
-    JSON values are their compact JSON literal (``42``, ``"42"``, ``null``,
-    ``true``, ``[1,"a"]``, a dict with its keys sorted); a tuple is a list and
-    a dict key a string, as Celery's JSON serializer sends them. ``UUID``, ``Decimal`` and the
-    ``datetime`` types are their ``repr()``. Any other type raises
-    :class:`~django_dlock.exceptions.InvalidLockKey`: it has no text that is
-    the same in every process.
-    """
-    if value is None or isinstance(value, bool | int | float | str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(encode_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        items = sorted((encode_value(_dict_key(k)), encode_value(v)) for k, v in value.items())
-        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
-    if isinstance(value, _REPR_TYPES):
-        return repr(value)
-    raise InvalidLockKey(
-        f"a lock_args value of type {type(value).__qualname__} has no stable text: "
-        "use arguments of JSON types (str, int, float, bool, None, list, dict), "
-        "UUID, Decimal or datetime"
-    )
-
-
-def _dict_key(key: object) -> str:
-    """A dict key as JSON sends it (a string: ``1`` arrives as ``"1"``)."""
-    if isinstance(key, str):
-        return key
-    if key is None or isinstance(key, bool | int | float):
-        return json.dumps(key)
-    raise InvalidLockKey(
-        f"a lock_args dict has a key of type {type(key).__qualname__}: "
-        "use str, int, float, bool or None keys"
-    )
 
 
 def _valid_text(text: str) -> bool:
