@@ -27,7 +27,7 @@ import difflib
 import functools
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from django.apps import apps
 from django.conf import settings
@@ -67,7 +67,7 @@ def register(*tags: str) -> Callable[[_Check], _Check]:
             return check(**kwargs)
 
         _register(*tags)(when_installed)
-        return check
+        return cast(_Check, when_installed)  # (with Django's ``tags``, as registered)
 
     return decorate
 
