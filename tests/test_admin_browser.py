@@ -29,7 +29,7 @@ from django_dlock.models import Lock as LockRow
 from .factories import LockFactory
 from .helpers import wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 CHROMIUM = os.environ.get("DLOCK_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -110,6 +110,7 @@ def churn_until(alias: str, stop_file: str, ready_file: str) -> None:
             open(ready_file, "w").close()
 
 
+@pytest.mark.slow
 def test_sqlite_cleanup_waits_for_the_write_lock_while_another_process_takes_locks(tmp_path):
     from . import procs
     from .helpers import wait_until

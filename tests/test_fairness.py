@@ -83,6 +83,7 @@ def _join(started: list[BaseProcess]) -> None:
         assert proc.exitcode == 0, f"waiter exited with {proc.exitcode}"
 
 
+@pytest.mark.slow
 def test_grants_follow_arrival_order(alias, tmp_path):
     log = str(tmp_path / "grants")
     holder = dlock.lock("fifo", using=alias, ttl=60)
@@ -97,6 +98,7 @@ def test_grants_follow_arrival_order(alias, tmp_path):
     assert _all_tickets(alias, holder.name) == []
 
 
+@pytest.mark.slow
 def test_try_once_does_not_barge_past_waiters(alias, tmp_path):
     log, hold = str(tmp_path / "grants"), str(tmp_path / "hold")
     holder = dlock.lock("nobarge", using=alias, ttl=60)
@@ -113,6 +115,7 @@ def test_try_once_does_not_barge_past_waiters(alias, tmp_path):
     _join(started)
 
 
+@pytest.mark.slow
 def test_newcomer_with_a_timeout_queues_behind(alias, tmp_path):
     log = str(tmp_path / "grants")
     holder = dlock.lock("behind", using=alias, ttl=60)
@@ -126,6 +129,7 @@ def test_newcomer_with_a_timeout_queues_behind(alias, tmp_path):
     assert [index for index, _ in _read_log(log)] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_killed_waiter_is_skipped(alias, tmp_path):
     log = str(tmp_path / "grants")
     holder = dlock.lock("killed", using=alias, ttl=60)

@@ -35,6 +35,7 @@ def _lease_window(alias: str) -> tuple[object, object]:
         return cur.fetchone()
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_lease_holder_frees_it_at_expiry_not_before(alias, tmp_path):
     ready = tmp_path / "ready"
     proc = procs.start(_hold_forever, alias, str(ready), 4.0)
@@ -166,6 +167,7 @@ def _paused_holder(alias: str, ready: str, resource: str, outcome: str) -> None:
     Path(outcome).write_text(f"{'accepted' if accepted else 'refused'} {released}")
 
 
+@pytest.mark.slow
 def test_paused_holder_is_fenced_off_by_the_resource(alias, tmp_path):
     ready, outcome = tmp_path / "ready", tmp_path / "outcome"
     resource = FencedResource(str(tmp_path / "resource"))

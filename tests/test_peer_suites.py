@@ -557,6 +557,7 @@ def _hold_in_child(alias: str, key: str, ready: str, go: Any) -> None:
         assert go.wait(120)
 
 
+@pytest.mark.slow
 def test_prl_held_by_another_process(alias, tmp_path):
     """``test_no_block``, ``test_timeout_acquired``, ``test_simple``: another process
     holds the key: a try-once fails, a wait longer than its hold succeeds
@@ -767,6 +768,7 @@ def _take_turns(alias: str, key: str, counter: str, fences: str, rounds: int) ->
     publish(fences, "\n".join(got))
 
 
+@pytest.mark.slow
 def test_prl_no_overlap(alias, tmp_path):
     """``test_no_overlap``: processes that contend for one key never hold it at the
     same time (a racy counter updated under the lock loses no update), and
@@ -799,6 +801,7 @@ def _wait_then_hold(alias: str, key: str, got: str, go: Any) -> None:
         assert go.wait(120)
 
 
+@pytest.mark.slow
 def test_prl_no_overlap2_one_of_many_blocked(alias, tmp_path):
     """``test_no_overlap2``: of many processes blocked on one key at once, exactly
     one gets it; the others wait (each has its ticket in the queue), and
@@ -1236,6 +1239,7 @@ def test_pglock_advisory_xact_usage():
             lk.release()
 
 
+@pytest.mark.slow
 def test_pglock_advisory_ids():
     """``test_advsiory_id``: keys map to PostgreSQL's advisory lock ids as documented:
     a two-part int key is ``pg_advisory_lock(int4, int4)`` (so it can be found
@@ -1375,6 +1379,7 @@ def _lead_then_freeze(alias: str, ready: str) -> None:
     time.sleep(600)  # killed by the test long before
 
 
+@pytest.mark.slow
 def test_client_go_acquire_from_a_dead_leaders_object(alias, tmp_path):
     """ "acquire from led object with the lease duration seconds" and "acquire from
     led, unacked object": the leader's process dies without releasing; once

@@ -542,6 +542,7 @@ def _hold_sqlite_write(path: str, holding, done) -> None:
         db.close()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True, databases=["default", SQLITE])
 def test_sqlite_a_busy_database_is_contention_not_an_outage():
     # Another process holds SQLite's write lock longer than the lock's
@@ -814,6 +815,7 @@ def _lease_rows(name: str) -> list[tuple[str]]:
     return query("SELECT token FROM django_dlock_lock WHERE name = %s", [name])
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True, databases=["default", TINY])
 @pytest.mark.parametrize("strategy", ["lease", "row", "advisory_xact"])
 def test_a_busy_pgbouncer_pool_is_a_lock_timeout_not_a_driver_error(tiny_bouncer, strategy):
@@ -838,6 +840,7 @@ def test_a_busy_pgbouncer_pool_is_a_lock_timeout_not_a_driver_error(tiny_bouncer
     assert in_thread(_lock_once_on, TINY, key, strategy) is True
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True, databases=["default", TINY])
 def test_an_async_acquire_behind_a_busy_pgbouncer_times_out(tiny_bouncer):
     # The async path runs its statements in worker threads: they are
@@ -853,6 +856,7 @@ def test_an_async_acquire_behind_a_busy_pgbouncer_times_out(tiny_bouncer):
     assert in_thread(_lock_once_on, TINY, "tiny:async", "lease") is True
 
 
+@pytest.mark.slow
 @needs_django_pool
 @pytest.mark.django_db(transaction=True, databases=["default", TINY])
 @pytest.mark.parametrize("strategy", ["lease", "row"])
@@ -904,6 +908,7 @@ def _lock_once_on(alias: str, key: str, strategy: str) -> bool:
         close_private_connections()
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True, databases=["default", TINY])
 def test_a_statement_sent_just_before_the_deadline_is_given_up_at_it(tiny_bouncer):
     # A lock wait polls; a statement it sends shortly before its deadline
@@ -1044,6 +1049,7 @@ def _get_all(urls: list[str]) -> list[int | str]:
     return answers
 
 
+@pytest.mark.slow
 @needs_django_pool
 def test_gunicorn_gthread_atomic_requests_with_djangos_pool(gunicorn_site):
     # Four requests at once, each in its transaction (all four pooled

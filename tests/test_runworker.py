@@ -616,6 +616,7 @@ def freeze_once(
     return took
 
 
+@pytest.mark.slow
 @db
 @pytest.mark.parametrize(
     ("alias", "strategy"),
@@ -650,6 +651,7 @@ def test_a_frozen_leader_is_replaced_and_never_acts_with_its_old_term(alias, str
     assert all(w.stderr().count("Traceback") == 0 for w in workers), workers[0].stderr()
 
 
+@pytest.mark.slow
 @db
 @pytest.mark.parametrize("alias", ["default", "mysql"], ids=["postgresql", "mariadb"])
 def test_a_frozen_leaders_guarded_jobs_never_commit_after_its_successor_began(alias, tmp_path):
@@ -748,6 +750,7 @@ def test_jobs_that_cannot_reach_the_database_are_reported_and_can_step_down(tmp_
     assert stepping.lines()[-1] == "stepped down"
 
 
+@pytest.mark.slow
 @db
 def test_an_isolated_job_that_holds_the_gil_cannot_starve_the_renewals(tmp_path):
     runs = str(tmp_path / "runs.jsonl")
@@ -775,6 +778,7 @@ def test_an_isolated_job_that_holds_the_gil_cannot_starve_the_renewals(tmp_path)
     )
 
 
+@pytest.mark.slow
 @db
 def test_an_isolated_job_is_stopped_when_the_term_is_lost(tmp_path):
     runs = str(tmp_path / "runs.jsonl")
@@ -802,6 +806,7 @@ def test_an_isolated_job_is_stopped_when_the_term_is_lost(tmp_path):
     assert read_runs(runs) == []
 
 
+@pytest.mark.slow
 @db
 def test_an_isolated_job_ends_with_its_sigkilled_leader(tmp_path):
     # The job holds the GIL (its listening thread cannot run), so only the
@@ -898,6 +903,7 @@ def test_jobs_work_again_after_a_postgresql_restart(strategy, tmp_path):
         cluster.destroy()
 
 
+@pytest.mark.slow
 @db
 def test_an_advisory_standby_that_may_not_end_the_frozen_leaders_session_waits(tmp_path):
     """Without the privilege to see and end the holder's session, no take-over (documented)."""
@@ -935,6 +941,7 @@ def test_an_advisory_standby_that_may_not_end_the_frozen_leaders_session_waits(t
             cur.execute(f'DROP ROLE "{role}"')
 
 
+@pytest.mark.slow
 @db
 def test_an_isolated_worker_stops_gracefully(tmp_path):
     runs = str(tmp_path / "runs.jsonl")

@@ -204,6 +204,7 @@ def test_bad_name():
         dlock.TaskLock("")
 
 
+@pytest.mark.slow
 def test_four_processes_run_the_job_at_most_once_per_min_hold(alias, tmp_path):
     """4 processes fire every 0.2 s for 5 s with min_hold=1 (database clock)."""
     min_hold, every, duration = 1.0, 0.2, 5.0
@@ -229,6 +230,7 @@ def test_four_processes_run_the_job_at_most_once_per_min_hold(alias, tmp_path):
     assert len({run["pid"] for run in runs}) >= 1
 
 
+@pytest.mark.slow
 def test_a_crashed_holder_is_freed_by_max_hold(alias, tmp_path):
     marker = str(tmp_path / "marker")
     proc = procs.start(hold_task_forever, alias, marker, 2.0)
