@@ -151,11 +151,7 @@ class Settings:
         Raises:
             ValueError: the setting is invalid (dlock.E007).
         """
-        value = self._get("DLOCK_DEADLOCK_TIMEOUT")
-        problem = deadlock_timeout_error(value)
-        if problem is not None:
-            raise ValueError(f"the DLOCK_DEADLOCK_TIMEOUT setting is invalid: {problem}")
-        return None if value is None else float(value)
+        return self._optional_seconds("DLOCK_DEADLOCK_TIMEOUT", deadlock_timeout_error)
 
     @property
     def LONG_HOLD(self) -> float | None:  # noqa: N802
@@ -164,12 +160,15 @@ class Settings:
         Raises:
             ValueError: the setting is invalid (dlock.E008).
         """
-        value = self._get("DLOCK_LONG_HOLD")
-        problem = long_hold_error(value)
-        if problem is not None:
-            raise ValueError(f"the DLOCK_LONG_HOLD setting is invalid: {problem}")
-        return None if value is None else float(value)
+        return self._optional_seconds("DLOCK_LONG_HOLD", long_hold_error)
 
+    def _optional_seconds(self, name: str, error: Callable[[Any], str | None]) -> float | None:
+        """A setting of seconds or ``None``, checked by ``error`` (its check's words)."""
+        value = self._get(name)
+        problem = error(value)
+        if problem is not None:
+            raise ValueError(f"the {name} setting is invalid: {problem}")
+        return None if value is None else float(value)
 
 conf = Settings()
 
