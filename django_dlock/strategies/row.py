@@ -29,12 +29,13 @@ savepoint).
   ``FOR UPDATE`` and poll with ``SKIP LOCKED`` and the retry interval for the
   last fraction of a second. Both wait inside a savepoint, so a timeout
   leaves the caller's transaction usable.
-* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, drawn once
-  the row is locked, in a transaction of its own that commits (and is
-  flushed) before the number is handed out
-  (:func:`~django_dlock.strategies.fence.durable_fence`): drawn in the
-  caller's transaction, a number could be issued again after a crash of the
-  server, since that transaction never commits. On MySQL/MariaDB a row lock
+* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, drawn when
+  ``fence`` is first read while the row is locked (most holders never read
+  it: the lock itself is one statement), in a transaction of its own that
+  commits (and is flushed) before the number is handed out
+  (:meth:`~django_dlock.strategies.transactional.TransactionScoped.draw_fence`):
+  drawn in the caller's transaction, a number could be issued again after a
+  crash of the server, since that transaction never commits. On MySQL/MariaDB a row lock
   has no fencing number (``fence`` is ``None``): a number stored in the row
   would be rolled back with the caller's transaction and issued twice.
 
@@ -63,7 +64,6 @@ from django_dlock.strategies.connection import (
     lock_connection,
     with_reconnect,
 )
-from django_dlock.strategies.fence import durable_fence
 from django_dlock.strategies.transactional import TransactionScoped
 from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE
 
@@ -110,6 +110,9 @@ _MYSQL_CREATE = (
 _MYSQL_FOREVER = 1073741824
 #: MySQL error numbers: lock wait timeout, deadlock, NOWAIT
 _MYSQL_TIMEOUT, _MYSQL_DEADLOCK, _MYSQL_NOWAIT = 1205, 1213, 3572
+
+#: the grants (one each: a grant is a tuple): the number drawn when first read, none
+_LATER, _NO_FENCE = Grant(None, later=True), Grant(None)
 
 #: how often a row that keeps disappearing is re-created before giving up
 _MAX_CREATIONS = 5
@@ -175,11 +178,9 @@ class RowStrategy(TransactionScoped):
                 else:
                     got, present = self._mysql_wait(connection, req, deadline, policy)
             if got:
-                # Drawn once the row is locked (so it is above every earlier
-                # holder's), and committed before it is handed out.
-                fence = durable_fence(req.alias) if connection.vendor == "postgresql" else None
                 self.remember(connection, req)
-                return Grant(fence)
+                # PostgreSQL: the fencing number is drawn when first read (draw_fence)
+                return _LATER if connection.vendor == "postgresql" else _NO_FENCE
             if present:
                 return None  # held by someone else until the deadline
             if creations >= _MAX_CREATIONS:
