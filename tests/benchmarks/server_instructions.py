@@ -301,9 +301,15 @@ def strategy_contenders() -> dict[str, tuple[str, list[Step]]]:
     floor_row = "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT"
     xact_try = "SELECT CASE WHEN pg_try_advisory_xact_lock(CAST(%s AS bigint)) THEN 0 END"
     row_try = row_module._PG_TRY
+    # the try before: one statement that also said whether the row exists
+    row_try_before = f"""
+WITH l AS MATERIALIZED (SELECT id FROM {row_module.TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
+SELECT EXISTS (SELECT 1 FROM l),
+       EXISTS (SELECT 1 FROM {row_module.TABLE} WHERE name = %s)
+"""
     # the other form the issue names: the number drawn by the lock's own statement
     # (flushed only when read, by a commit on another connection: not counted)
-    row_try_fenced = row_try.rstrip() + (
+    row_try_fenced = row_try_before.rstrip() + (
         f",\n       CASE WHEN EXISTS (SELECT 1 FROM l) THEN {NEXT_FENCE} END\n"
     )
     begin, commit = (0, "BEGIN", []), (0, "COMMIT", [])
@@ -331,15 +337,19 @@ def strategy_contenders() -> dict[str, tuple[str, list[Step]]]:
         floor_row: (floor_row, [begin, (0, uncontended.FLOOR_ROW_SELECT, [_ROW]), commit]),
         "row: ours, the number drawn beside the lock (before)": (
             floor_row,
-            [begin, (0, row_try, [_ROW, _ROW]), (1, _DURABLE_FENCE, []), commit],
+            [begin, (0, row_try_before, [_ROW, _ROW]), (1, _DURABLE_FENCE, []), commit],
         ),
-        "row: ours, the number drawn when read (now; none read)": (
+        "row: ours, the number drawn when read (none read), the try before": (
             floor_row,
-            [begin, (0, row_try, [_ROW, _ROW]), commit],
+            [begin, (0, row_try_before, [_ROW, _ROW]), commit],
         ),
         "row: the number drawn by the lock's own statement (not kept)": (
             floor_row,
             [begin, (0, row_try_fenced, [_ROW, _ROW]), commit],
+        ),
+        "row: ours now (drawn when read, none read; the try alone)": (
+            floor_row,
+            [begin, (0, row_try, [_ROW]), commit],
         ),
     }
 
