@@ -207,8 +207,10 @@ class TransactionScoped:
             return None
         number = durable_fence(req.alias)
         marker = self.marker(req)
-        connection = None if marker is None else marker.connection()
-        if connection is None or not marker.pending() or not _answers(connection):  # type: ignore[union-attr]
+        if marker is None or not marker.pending():
+            return None
+        connection = marker.connection()
+        if connection is None or not _answers(connection):
             return None
         return number
 
