@@ -185,7 +185,9 @@ class Attempt:
         """
         opts = self.opts
         strategy = opts.strategy
-        made = Holding(req, strategy, grant.fence, opts.signal_sender, on_lost=opts.on_lost)
+        made = Holding(
+            req, strategy, grant.fence, opts.signal_sender, on_lost=opts.on_lost, later=grant.later
+        )
         renewal = Renewal(opts.ttl, opts.max_hold) if opts.renew else None
         now = time.monotonic()
         wait = now - self.deadline.start  # (deadline.elapsed(), inline)

@@ -37,7 +37,7 @@ from django_dlock.exceptions import DatabaseUnavailable, LockLost, SessionBusy
 from django_dlock.identity import Holder, Slot, current_task, holder_alive
 from django_dlock.renewal import Renewer
 from django_dlock.retry import Deadline
-from django_dlock.strategies.base import Request, Strategy, Upgrades
+from django_dlock.strategies.base import DrawsFences, Request, Strategy, Upgrades
 
 __all__ = ["Holding"]
 
@@ -57,7 +57,10 @@ class Holding:
 
     request: Request
     strategy: Strategy
-    fence: int | None
+    #: the fencing number once drawn (``None``: the strategy has none, or it
+    #: is drawn when first read: :attr:`later`); what the log lines, the
+    #: signals and the tracer report, which never draw it
+    drawn: int | None
     #: the class named as the sender of the lock signals
     sender: type[Any]
     acquired_at: float = field(default_factory=time.monotonic)
@@ -79,6 +82,9 @@ class Holding:
     span: Any = None
     #: flagged as held longer than ``DLOCK_LONG_HOLD`` (see :mod:`django_dlock.long_holds`)
     held_long: bool = False
+    #: the fencing number is drawn when :attr:`fence` is first read (a
+    #: :class:`~django_dlock.strategies.base.DrawsFences` strategy)
+    later: bool = False
 
     def __post_init__(self) -> None:
         req = self.request
@@ -87,6 +93,44 @@ class Holding:
     @property
     def name(self) -> str:
         return self.request.key.name
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing number (``None``: the strategy issues none).
+
+        A strategy that draws it when first read (``row`` and
+        ``advisory_xact`` on PostgreSQL) draws it now, once per holding.
+
+        Raises:
+            LockLost: the number was not drawn yet, and the lock is no longer
+                held (no number is given: it could be below a later holder's).
+            DatabaseUnavailable: the database could not be reached.
+        """
+        if self.later:
+            self._draw()
+        return self.drawn
+
+    @fence.setter
+    def fence(self, number: int | None) -> None:
+        self.drawn = number
+        self.later = False
+
+    def _draw(self) -> None:
+        if self.lost:
+            raise self.error()
+        strategy = self.strategy
+        if not isinstance(strategy, DrawsFences):  # (its grant said later)
+            raise TypeError(f"{strategy!r} draws no fencing numbers")
+        number = strategy.draw_fence(self.request)
+        if number is None:
+            self.mark_lost(
+                self.loss_reason("the database no longer had it when its fencing number was drawn")
+            )
+            raise self.error()
+        self.drawn = number
+        self.later = False
+        if self.span is not None and tracing.tracer is not None:
+            tracing.tracer.fenced(self)
 
     def may_have_expired(self) -> bool:
         """Whether the lease may have run out (then only the database knows)."""
@@ -130,7 +174,7 @@ class Holding:
             extra={
                 "lock_name": self.name,
                 "lock_strategy": self.strategy.name,
-                "lock_fence": self.fence,
+                "lock_fence": self.drawn,
                 "lock_reason": reason,
                 "lock_owner": self.request.owner,
             },
@@ -299,7 +343,9 @@ def take(
     holder: Holder, holding: Holding, *, sent_at: float, wait: float, renewal: Renewal | None
 ) -> Holding:
     """Record ``holding``, just acquired, in the holder's table (and start its renewer)."""
-    req, strategy, fence = holding.request, holding.strategy, holding.fence
+    # (the fencing number as drawn: a strategy that draws it when first read
+    # has none yet, and the signal, log line and tracer do not draw it)
+    req, strategy, fence = holding.request, holding.strategy, holding.drawn
     if strategy.leased:
         holding.valid_until = sent_at + req.ttl - CLOCK_GRAIN
     slot = holding.slot
@@ -400,7 +446,7 @@ def release_one(holder: Holder, holding: Holding) -> None:
             extra={
                 "lock_name": req.key.name,
                 "lock_strategy": holding.strategy.name,
-                "lock_fence": holding.fence,
+                "lock_fence": holding.drawn,
                 "lock_held": held,
             },
         )

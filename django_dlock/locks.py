@@ -488,7 +488,15 @@ class Lock(Generic[_OnFailT]):
     def fence(self) -> int | None:
         """Fencing number of the calling holder's holding (``None`` if not held).
 
-        For a lock on several keys use :attr:`fences`.
+        For a lock on several keys use :attr:`fences`. ``row`` and
+        ``advisory_xact`` on PostgreSQL draw it now, the first time it is
+        read (once per holding): a lock whose number is never read costs no
+        statement for it.
+
+        Raises:
+            LockLost: its number was not drawn yet, and the lock is no longer
+                held (its transaction is gone): no number is given.
+            DatabaseUnavailable: the number could not be drawn.
         """
         if len(self.keys) != 1:
             raise DLockError("this lock has several keys: use .fences")
@@ -497,7 +505,8 @@ class Lock(Generic[_OnFailT]):
 
     @property
     def fences(self) -> dict[str, int | None]:
-        """Fencing number per key name of the calling holder's holdings."""
+        """Fencing number per key name of the calling holder's holdings (drawn
+        as :attr:`fence` draws it)."""
         return {h.name: h.fence for h in self._holdings()}
 
     @property

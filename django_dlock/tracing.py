@@ -12,9 +12,12 @@ agent), under the instrumentation scope ``django_dlock``:
   ``dlock.acquire.wait`` (seconds), ``dlock.acquire.attempts`` (the tries of
   a waiter that polls or holds a ticket; 1 when the database itself queues
   the waiter), ``dlock.acquire.queue_position`` (a lease waiter's place when
-  it took its ticket: 1 is the head) and, once acquired, ``dlock.lock.fence``.
+  it took its ticket: 1 is the head) and, once acquired, ``dlock.lock.fence``
+  (``row`` and ``advisory_xact`` on PostgreSQL draw their number only when
+  it is first read, after the acquire: their acquire span has none).
 * ``dlock.hold``: one key held, from its grant to its release or its loss;
-  a sibling of the acquire span (same parent). ``dlock.hold.outcome`` is
+  a sibling of the acquire span (same parent); ``dlock.lock.fence`` once the
+  number is drawn. ``dlock.hold.outcome`` is
   ``released`` or ``lost``; a loss adds the event ``dlock.lost`` (with
   ``dlock.lost.reason``) and sets the span's status to ``ERROR``.
 * ``dlock.renew``: one renewal of a lease (``extend()``, ``renew=True``),
@@ -110,7 +113,8 @@ class Held(Protocol):
 
     request: Request
     strategy: Strategy
-    fence: int | None
+    #: the fencing number once drawn (the tracer never draws it)
+    drawn: int | None
     sender: type
     count: int
     lost: bool
@@ -238,15 +242,22 @@ class OpenTelemetryTracer:
         """``holding`` was just granted: its hold span starts."""
         record = acquire_notes.current.get()
         parent = record.parent if record is not None else None
-        if record is not None and holding.fence is not None:
-            record.fences.append(holding.fence)
+        if record is not None and holding.drawn is not None:
+            record.fences.append(holding.drawn)
         req = holding.request
         attributes = self._attributes(
             req.key.name, holding.strategy.name, holding.sender, req.alias
         )
-        if holding.fence is not None:
-            attributes["dlock.lock.fence"] = holding.fence
+        if holding.drawn is not None:
+            attributes["dlock.lock.fence"] = holding.drawn
         holding.span = self.tracer.start_span("dlock.hold", context=parent, attributes=attributes)
+
+    def fenced(self, holding: Held) -> None:
+        """``holding``'s fencing number was drawn after it was granted (``row``
+        and ``advisory_xact`` on PostgreSQL draw it when first read): its hold
+        span carries it from then on (its acquire span has ended)."""
+        if holding.span is not None:
+            holding.span.set_attribute("dlock.lock.fence", holding.drawn)
 
     def _child(self, holding: Held, name: str) -> Any:
         """A span under ``holding``'s hold span (which carries the lock's attributes)."""

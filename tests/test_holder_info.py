@@ -156,7 +156,7 @@ def test_an_advisory_locks_session_is_named_after_its_holder():
     dlock_list and the admin's advisory page show it."""
     from django_dlock.identity import doing
 
-    from .helpers import give_back_sessions, pg_locks
+    from .helpers import give_back_sessions, in_thread, pg_locks
 
     try:
         with doing("POST /invoice/42/"), dlock.lock("invoice:42", strategy="advisory"):
@@ -169,9 +169,27 @@ def test_an_advisory_locks_session_is_named_after_its_holder():
             out = StringIO()
             call_command("dlock_list", stdout=out)
             assert "POST /invoice/42/" in out.getvalue()
-        # released: the session is idle in the pool, named as such
+        # released: the session is idle in the pool, and keeps its last holder's
+        # name (no statement renames it) until the next holder takes it
+        assert pg_locks("invoice:42") == []
         with connections["default"].cursor() as cur:
             cur.execute("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
-            assert cur.fetchone() == ("django-dlock",)
+            assert cur.fetchone() == (name,)
+
+        def next_holder() -> str:
+            try:
+                with doing("POST /invoice/43/"), dlock.lock("invoice:43", strategy="advisory"):
+                    ((again, _),) = pg_locks("invoice:43")
+                    assert again == pid  # the pooled session, renamed
+                    with connections["default"].cursor() as cur:
+                        cur.execute(
+                            "SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid]
+                        )
+                        return str(cur.fetchone()[0])
+            finally:
+                connections.close_all()
+
+        renamed = in_thread(next_holder)
+        assert renamed.startswith("dlock ") and "(POST /invoice/43/)" in renamed
     finally:
         give_back_sessions()

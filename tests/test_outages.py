@@ -279,3 +279,32 @@ def test_transaction_scoped_fences_never_repeat_after_a_crash(server):
         after += _fences("row", rows[:3])
         after += _fences("advisory_xact", xacts[:3])
     assert min(after) > max(issued), (max(issued), after)
+
+
+@override_settings(DLOCK_ADVISORY_FENCING=True)
+def test_numbers_read_late_never_repeat_after_a_crash(server):
+    """row and advisory_xact draw their number when it is first read: all the
+    locks first, then every number, then the crash before the transaction
+    commits. No number read comes back after the restart."""
+    rows = [f"late-row-{i}" for i in range(100)]
+    xacts = [f"late-xact-{i}" for i in range(100)]
+    with transaction.atomic(using=ALIAS):
+        for key in rows:  # the rows exist (committed) before the crash
+            assert dlock.lock(key, strategy="row", using=ALIAS).acquire(timeout=0)
+    issued: list[int] = []
+    with pytest.raises(DatabaseError), transaction.atomic(using=ALIAS):
+        held = [dlock.lock(key, strategy="row", using=ALIAS) for key in rows]
+        held += [dlock.lock(key, strategy="advisory_xact", using=ALIAS) for key in xacts]
+        for lk in held:
+            assert lk.acquire(timeout=0)
+        issued = [lk.fence for lk in held]  # drawn now, one by one
+        server.crash_and_restart()
+        connections[ALIAS].cursor().execute("SELECT 1")  # the transaction is gone
+    assert issued == sorted(issued) and len(set(issued)) == len(issued)
+    connections[ALIAS].close()
+
+    after: list[int] = []
+    with transaction.atomic(using=ALIAS):
+        after += _fences("row", rows[:3])
+        after += _fences("advisory_xact", xacts[:3])
+    assert min(after) > max(issued), (max(issued), after)

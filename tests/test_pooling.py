@@ -93,9 +93,9 @@ def test_a_session_is_reused_and_pooled_only_when_it_holds_nothing():
     assert len(pids) == 1
     (pid,) = pids
     assert advisory_locks_of(pid) == 0  # idle in our pool, holding nothing
-    assert query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid]) == [
-        ("django-dlock",)
-    ]
+    # (named after its last holder until the next one takes it)
+    ((name,),) = query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", [pid])
+    assert name.startswith("dlock ")
     # Another holder reuses it (no connect), and is the only one using it.
     assert in_thread(lambda: _pid_while_holding("p")) == pid
     assert sessions.close_all() == 1

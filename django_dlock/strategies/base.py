@@ -20,6 +20,7 @@ from django_dlock.retry import Deadline
 __all__ = [
     "HELD",
     "CountsPermits",
+    "DrawsFences",
     "ExplainsBusy",
     "Grant",
     "Guards",
@@ -46,6 +47,9 @@ class Grant(NamedTuple):
     #: was not the acquire's first (a waiter's last try, a quorum's last
     #: round): the lease is counted from it. ``None``: from the acquire's start.
     sent_at: float | None = None
+    #: the fencing number is drawn when first read, not with the lock (``fence``
+    #: is then ``None``): the strategy is a :class:`DrawsFences`
+    later: bool = False
 
 
 @dataclass(slots=True)
@@ -131,6 +135,19 @@ class TakesTickets(Protocol):
     async def await_ticket(
         self, req: Request, ticket: int, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None: ...
+
+
+@runtime_checkable
+class DrawsFences(Protocol):
+    """A strategy whose fencing number costs nothing until it is read: its
+    grants say ``later``, and the holding asks :meth:`draw_fence` the first
+    time its number is read (``row`` and ``advisory_xact`` on PostgreSQL)."""
+
+    def draw_fence(self, req: Request) -> int | None:
+        """A number above every earlier holder's, that no crash of the server
+        can issue again, drawn now, from the holder's thread, while ``req`` is
+        held; ``None`` if the database no longer holds it (no number is given)."""
+        ...
 
 
 @runtime_checkable

@@ -9,12 +9,12 @@ savepoint).
 
 * **Try** is one statement that locks the row if no one else has it
   (``FOR UPDATE SKIP LOCKED``, which raises no error, so the caller's
-  transaction needs no savepoint) and says whether the row exists::
+  transaction needs no savepoint); on PostgreSQL, only when it returns no
+  row does a second one ask whether the row exists (someone else holds it,
+  or it is missing)::
 
-      WITH l AS MATERIALIZED (SELECT id FROM django_dlock_lock
-                              WHERE name = %s FOR UPDATE SKIP LOCKED)
-      SELECT EXISTS (SELECT 1 FROM l),
-             EXISTS (SELECT 1 FROM django_dlock_lock WHERE name = %s)
+      SELECT 1 FROM django_dlock_lock WHERE name = %s FOR UPDATE SKIP LOCKED
+      SELECT EXISTS (SELECT 1 FROM django_dlock_lock WHERE name = %s)
 
 * **A missing row** is inserted as a *free* lease row (empty token,
   ``expire_at`` = now, so the ``lease`` strategy and ``dlock_cleanup`` see it
@@ -29,12 +29,13 @@ savepoint).
   ``FOR UPDATE`` and poll with ``SKIP LOCKED`` and the retry interval for the
   last fraction of a second. Both wait inside a savepoint, so a timeout
   leaves the caller's transaction usable.
-* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, drawn once
-  the row is locked, in a transaction of its own that commits (and is
-  flushed) before the number is handed out
-  (:func:`~django_dlock.strategies.fence.durable_fence`): drawn in the
-  caller's transaction, a number could be issued again after a crash of the
-  server, since that transaction never commits. On MySQL/MariaDB a row lock
+* **Fencing**: on PostgreSQL ``nextval('django_dlock_fence')``, drawn when
+  ``fence`` is first read while the row is locked (most holders never read
+  it: the lock itself is one statement), in a transaction of its own that
+  commits (and is flushed) before the number is handed out
+  (:meth:`~django_dlock.strategies.transactional.TransactionScoped.draw_fence`):
+  drawn in the caller's transaction, a number could be issued again after a
+  crash of the server, since that transaction never commits. On MySQL/MariaDB a row lock
   has no fencing number (``fence`` is ``None``): a number stored in the row
   would be rolled back with the caller's transaction and issued twice.
 
@@ -68,17 +69,17 @@ from django_dlock.strategies.connection import (
     lock_connection,
     with_reconnect,
 )
-from django_dlock.strategies.fence import durable_fence
 from django_dlock.strategies.transactional import TransactionScoped
 from django_dlock.tables import FENCE_FLOOR_TABLE, LOCK_TABLE
 
 TABLE = LOCK_TABLE
 
-_PG_TRY = f"""
-WITH l AS MATERIALIZED (SELECT id FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
-SELECT EXISTS (SELECT 1 FROM l),
-       EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)
-"""
+# The try: a row if the row is ours now. Only when none comes back does a
+# second look ask whether the row exists (held by someone else, or missing):
+# a free key costs what SELECT ... FOR UPDATE costs, and the busy or missing
+# one a round trip more.
+_PG_TRY = f"SELECT 1 FROM {TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED"
+_PG_PRESENT = f"SELECT EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s)"
 
 # Sets lock_timeout for the transaction, waits for the row lock and restores
 # lock_timeout, in this order (the CTEs fix it).
@@ -115,6 +116,9 @@ _MYSQL_CREATE = (
 _MYSQL_FOREVER = 1073741824
 #: MySQL error numbers: lock wait timeout, deadlock, NOWAIT
 _MYSQL_TIMEOUT, _MYSQL_DEADLOCK, _MYSQL_NOWAIT = 1205, 1213, 3572
+
+#: the grants (one each: a grant is a tuple): the number drawn when first read, none
+_LATER, _NO_FENCE = Grant(None, later=True), Grant(None)
 
 #: how often a row that keeps disappearing is re-created before giving up
 _MAX_CREATIONS = 5
@@ -180,11 +184,9 @@ class RowStrategy(TransactionScoped):
                 else:
                     got, present = self._mysql_wait(connection, req, deadline, policy)
             if got:
-                # Drawn once the row is locked (so it is above every earlier
-                # holder's), and committed before it is handed out.
-                fence = durable_fence(req.alias) if connection.vendor == "postgresql" else None
                 self.remember(connection, req)
-                return Grant(fence)
+                # PostgreSQL: the fencing number is drawn when first read (draw_fence)
+                return _LATER if connection.vendor == "postgresql" else _NO_FENCE
             if present:
                 return None  # held by someone else until the deadline
             if creations >= _MAX_CREATIONS:
@@ -202,8 +204,10 @@ class RowStrategy(TransactionScoped):
         if connection.vendor == "postgresql":
             # Prepared on the caller's connection (see ``execute``): parsed
             # and planned once per session, not at every call.
-            row = fetch_one(connection, _PG_TRY, [req.key.name, req.key.name])
-            return bool(row[0]), bool(row[1])
+            if fetch_one(connection, _PG_TRY, [req.key.name]) is not None:
+                return True, True
+            row = fetch_one(connection, _PG_PRESENT, [req.key.name])
+            return False, bool(row[0])
         with cursor(connection) as cur:
             cur.execute(_MYSQL_TRY, [req.key.name, req.key.name])
             row = cur.fetchone()

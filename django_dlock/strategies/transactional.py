@@ -10,6 +10,9 @@ was taken in is rolled back. Nothing can release it earlier, so:
 * an explicit ``release()`` is a :class:`DLockError`; leaving a ``with``
   block (or a decorated function) ends the holding in Python, and the
   database keeps the lock until the transaction ends;
+* a fencing number (PostgreSQL) is drawn only when it is first read
+  (:meth:`TransactionScoped.draw_fence`): most holders never read it, and
+  drawing one costs a transaction of its own, committed and flushed;
 * a holding never outlives its transaction: each acquisition registers a
   marker with ``transaction.on_commit``. Django runs the marker at commit,
   and drops it at rollback and at the rollback of an enclosing savepoint,
@@ -40,7 +43,8 @@ from django_dlock.conf import RetryInterval
 from django_dlock.exceptions import DLockError, TransactionRequired
 from django_dlock.retry import Deadline
 from django_dlock.strategies.base import Grant, Request
-from django_dlock.strategies.connection import deadline_end, guard_statements
+from django_dlock.strategies.connection import _closed, deadline_end, guard_statements
+from django_dlock.strategies.fence import durable_fence
 
 #: markers kept before ended ones are swept
 _SWEEP_AT = 1000
@@ -174,12 +178,59 @@ class TransactionScoped:
             return True
         return False
 
+    # -- the fencing number -------------------------------------------------------
+
+    def draw_fence(self, req: Request) -> int | None:
+        """The holding's fencing number, drawn now (it is first read); ``None``
+        if the lock is no longer held (no number is given out).
+
+        The number comes from :func:`~django_dlock.strategies.fence.durable_fence`:
+        a transaction of its own on the thread's lock connection, committed
+        and flushed before it is returned, so no crash of the server can
+        issue it again. It must also be above every earlier holder's and
+        below every later one's: the lock must be held when it is drawn.
+        So, once it is drawn, the caller's transaction is asked whether it
+        still lives (one ``SELECT 1`` on its session): a transaction that
+        answers has held the lock since it took it, through the draw (a
+        transaction-scoped lock ends only with its transaction, or the
+        savepoint it was taken in, which the holding's marker follows), and
+        every holder after it draws later. Earlier holders drew theirs while
+        they held the lock, before this transaction took it.
+
+        Called from the holder's thread (async holders draw theirs at once,
+        in the transaction's thread: see :meth:`aacquire`).
+
+        Raises:
+            DatabaseUnavailable: the number could not be drawn.
+        """
+        if self.ended(req):
+            return None
+        number = durable_fence(req.alias)
+        marker = self.marker(req)
+        if marker is None or not marker.pending():
+            return None
+        connection = marker.connection()
+        if connection is None or not _answers(connection):
+            return None
+        return number
+
     # -- the protocol ----------------------------------------------------------
 
     async def aacquire(
         self, req: Request, deadline: Deadline, policy: RetryInterval
     ) -> Grant | None:
-        return await sync_to_async(self.acquire)(req, deadline, policy)  # type: ignore[attr-defined, no-any-return]
+        """Async ``acquire``, in the thread of the caller's transaction; a
+        fencing number is drawn there at once (async code cannot read it
+        later without a query on the event loop)."""
+        return await sync_to_async(self._acquire_drawn)(req, deadline, policy)
+
+    def _acquire_drawn(
+        self, req: Request, deadline: Deadline, policy: RetryInterval
+    ) -> Grant | None:
+        grant: Grant | None = self.acquire(req, deadline, policy)  # type: ignore[attr-defined]
+        if grant is None or not grant.later:
+            return grant
+        return Grant(self.draw_fence(req))
 
     def try_acquire(self, req: Request) -> int | None:
         grant: Grant | None = self.acquire(req, Deadline(0), 0.0)  # type: ignore[attr-defined]
@@ -206,3 +257,20 @@ class TransactionScoped:
     def extend(self, req: Request, ttl: float) -> bool:
         """Nothing to extend: true while the database still holds the lock (:meth:`owned`)."""
         return self.owned(req)  # type: ignore[attr-defined, no-any-return]
+
+
+def _answers(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the caller's session still answers inside its transaction: one
+    ``SELECT 1`` on its driver connection (not Django's cursor, which refuses
+    any statement in a transaction that had an error). An error from a
+    server that answered (an aborted transaction, which holds its locks until
+    it ends) is an answer; a connection that broke is none."""
+    raw = connection.connection
+    if raw is None:
+        return False
+    try:
+        with raw.cursor() as cur:
+            cur.execute("SELECT 1")
+    except Exception:
+        return not _closed(raw)
+    return True

@@ -12,10 +12,11 @@ caller's transaction stays usable, and ``lock_timeout`` is set for the wait
 only (``set_config(..., true)`` and restored in the same statement; a failed
 wait is rolled back with its savepoint, which also restores it). Fencing
 numbers (``DLOCK_ADVISORY_FENCING``) come from
-``nextval('django_dlock_fence')``, drawn once the lock is held in a
-transaction of their own, committed and flushed before the number is handed
-out (:func:`~django_dlock.strategies.fence.durable_fence`), so that a crash
-of the server cannot issue it again.
+``nextval('django_dlock_fence')``, drawn when ``fence`` is first read while
+the lock is held, in a transaction of their own, committed and flushed
+before the number is handed out
+(:meth:`~django_dlock.strategies.transactional.TransactionScoped.draw_fence`),
+so that a crash of the server cannot issue it again.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from django_dlock.strategies.connection import (
     lock_connection,
     require_postgresql,
 )
-from django_dlock.strategies.fence import durable_fence
 from django_dlock.strategies.transactional import TransactionScoped
 
 # -- advisory_xact ---------------------------------------------------------------------
@@ -67,6 +67,9 @@ def _xact_try_sql(req: Request) -> str:
         )
     return sql
 
+
+#: the grants (one each: a grant is a tuple): the number drawn when first read, none
+_LATER, _NO_FENCE = Grant(None, later=True), Grant(None)
 
 #: (shared, key parts) -> the try statement
 _TRY_SQL: dict[tuple[bool, int], str] = {}
@@ -126,11 +129,9 @@ class AdvisoryXactStrategy(TransactionScoped):
             got = None if row is None else row[0]
             if got is None:
                 raise DLockError(f"waiting for {req.key.name!r} returned no row")
-        # Drawn once the lock is held (so it is above every earlier holder's),
-        # and committed before it is handed out.
-        fence = durable_fence(req.alias) if fencing() else None
         self.remember(connection, req)
-        return Grant(fence)
+        # the fencing number (if on) is drawn when first read (draw_fence)
+        return _LATER if fencing() else _NO_FENCE
 
     def owned(self, req: Request) -> bool:
         marker = self.marker(req)

@@ -27,6 +27,10 @@ few of the backend's functions (:data:`WHERE`, read with
 ``callgrind_annotate``); ``--fillfactor N`` sets the lock table's
 ``fillfactor`` in the counted cluster.
 
+``--strategies`` counts the pairs of ``advisory``, ``advisory_xact`` and
+``row`` instead, against their floors (:func:`strategy_contenders`): what
+each sends now, and what it sent before.
+
 Needs valgrind and PostgreSQL's server binaries (``initdb``, ``pg_dump``);
 about two minutes.
 """
@@ -263,6 +267,144 @@ def instructions(
     return counts
 
 
+#: one statement of a pair: (which connection, SQL with %s placeholders, its parameters)
+Step = tuple[int, str, list[Any]]
+
+_KEY = 4242
+_ROW = "lock:bench-server-ir-row"
+
+
+def strategy_contenders() -> dict[str, tuple[str, list[Step]]]:
+    """``--strategies``: label -> (its floor's label, one pair's statements) for
+    ``advisory``, ``advisory_xact`` and ``row``, as the lock sends them (the
+    statements of the caller's transaction on connection 0; another
+    connection, 1, for what runs beside it), and the forms they had before.
+    The row (``_ROW``) exists: :func:`strategy_pairs` makes it."""
+    from django_dlock.strategies import row as row_module
+    from django_dlock.strategies.fence import _DURABLE_FENCE, NEXT_FENCE
+
+    from . import uncontended
+
+    pid = "pg_backend_pid()"
+    try_ = f"SELECT CASE WHEN pg_try_advisory_lock(%s::bigint) THEN 0 END, {pid}"
+    named = (
+        "SELECT CASE WHEN pg_try_advisory_lock(%s::bigint) THEN 0 END, "
+        f"set_config('application_name', %s, false), {pid}"
+    )
+    unlock = f"SELECT pg_advisory_unlock(%s::bigint), {pid}"
+    unlock_named = (
+        f"SELECT pg_advisory_unlock(%s::bigint), set_config('application_name', %s, false), {pid}"
+    )
+    holder, idle = "dlock host pid=4242 MainThread", "django-dlock"
+    floor_advisory = "floor: pg_try_advisory_lock + unlock"
+    floor_xact = "floor: BEGIN; pg_try_advisory_xact_lock; COMMIT"
+    floor_row = "floor: BEGIN; SELECT … FOR UPDATE NOWAIT; COMMIT"
+    xact_try = "SELECT CASE WHEN pg_try_advisory_xact_lock(CAST(%s AS bigint)) THEN 0 END"
+    row_try = row_module._PG_TRY
+    # the try before: one statement that also said whether the row exists
+    row_try_before = f"""
+WITH l AS MATERIALIZED (SELECT id FROM {row_module.TABLE} WHERE name = %s FOR UPDATE SKIP LOCKED)
+SELECT EXISTS (SELECT 1 FROM l),
+       EXISTS (SELECT 1 FROM {row_module.TABLE} WHERE name = %s)
+"""
+    # the other form the issue names: the number drawn by the lock's own statement
+    # (flushed only when read, by a commit on another connection: not counted)
+    row_try_fenced = row_try_before.rstrip() + (
+        f",\n       CASE WHEN EXISTS (SELECT 1 FROM l) THEN {NEXT_FENCE} END\n"
+    )
+    begin, commit = (0, "BEGIN", []), (0, "COMMIT", [])
+    return {
+        floor_advisory: (
+            floor_advisory,
+            [
+                (0, "SELECT pg_try_advisory_lock(%s)", [_KEY]),
+                (0, "SELECT pg_advisory_unlock(%s)", [_KEY]),
+            ],
+        ),
+        "advisory: ours, the holder's name set by each statement (before)": (
+            floor_advisory,
+            [(0, named, [_KEY, holder]), (0, unlock_named, [_KEY, idle])],
+        ),
+        "advisory: ours, the name set only when it changes (now)": (
+            floor_advisory,
+            [(0, try_, [_KEY]), (0, unlock, [_KEY])],
+        ),
+        floor_xact: (
+            floor_xact,
+            [begin, (0, "SELECT pg_try_advisory_xact_lock(%s)", [_KEY]), commit],
+        ),
+        "advisory_xact: ours": (floor_xact, [begin, (0, xact_try, [_KEY]), commit]),
+        floor_row: (floor_row, [begin, (0, uncontended.FLOOR_ROW_SELECT, [_ROW]), commit]),
+        "row: ours, the number drawn beside the lock (before)": (
+            floor_row,
+            [begin, (0, row_try_before, [_ROW, _ROW]), (1, _DURABLE_FENCE, []), commit],
+        ),
+        "row: ours, the number drawn when read (none read), the try before": (
+            floor_row,
+            [begin, (0, row_try_before, [_ROW, _ROW]), commit],
+        ),
+        "row: the number drawn by the lock's own statement (not kept)": (
+            floor_row,
+            [begin, (0, row_try_fenced, [_ROW, _ROW]), commit],
+        ),
+        "row: ours now (drawn when read, none read; the try alone)": (
+            floor_row,
+            [begin, (0, row_try, [_ROW]), commit],
+        ),
+    }
+
+
+def strategy_pairs(server: CountedServer, steps: list[Step], pairs: int) -> int:
+    """The instructions of the backends (one per connection used) that ran
+    ``pairs`` pairs of ``steps``."""
+    with server.connect("bench") as setup:
+        setup.execute(
+            "INSERT INTO django_dlock_lock (name, token, owner, fence, acquired_at, expire_at) "
+            "VALUES (%s, '', '', 0, now(), now()) ON CONFLICT DO NOTHING",
+            [_ROW],
+        )
+    conns = [server.connect("bench") for _ in range(1 + max(step[0] for step in steps))]
+    pids = [conn.execute("SELECT pg_backend_pid()").fetchone()[0] for conn in conns]
+    for _ in range(pairs):
+        for which, sql, params in steps:
+            if sql in ("BEGIN", "COMMIT"):  # (as the floors send them)
+                conns[which].execute(sql)
+            else:
+                conns[which].execute(sql, params, prepare=True).fetchone()
+    for conn in conns:
+        conn.close()
+    return sum(server.backend_instructions(pid) for pid in pids)
+
+
+def main_strategies(runs: int) -> int:
+    """``--strategies``: the server's instructions per pair of the other strategies."""
+    setup_django()
+    ensure_databases()
+    from django.db import connections
+
+    server = CountedServer()
+    found: dict[str, list[float]] = {}
+    try:
+        server.create()
+        server.load_schema(connections["default"].settings_dict)
+        for _ in range(runs):
+            for label, (_, steps) in strategy_contenders().items():
+                few = strategy_pairs(server, steps, FEW)
+                many = strategy_pairs(server, steps, MANY)
+                found.setdefault(label, []).append((many - few) / (MANY - FEW))
+    finally:
+        server.destroy()
+    print(f"Server instructions per uncontended pair (callgrind, {runs} runs)")
+    print()
+    print("| statements | instructions per pair | vs its floor |")
+    print("| --- | ---: | ---: |")
+    for label, (floor, _) in strategy_contenders().items():
+        value = statistics.median(found[label])
+        ratio = value / statistics.median(found[floor])
+        print(f"| {label} | {value / 1000:,.1f}k | {ratio:.2f}x |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.server_instructions")
     parser.add_argument("--runs", type=int, default=2)
@@ -274,7 +416,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fillfactor", type=int, help="the lock table's fillfactor in the counted cluster"
     )
+    parser.add_argument(
+        "--strategies",
+        action="store_true",
+        help="count the pairs of advisory, advisory_xact and row instead (strategy_contenders)",
+    )
     args = parser.parse_args(argv)
+    if args.strategies:
+        return main_strategies(args.runs)
     setup_django()
     ensure_databases()
     from django.db import connections

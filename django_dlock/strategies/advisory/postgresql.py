@@ -60,7 +60,6 @@ from django_dlock.strategies._pg import (
 )
 from django_dlock.strategies.advisory.acquire import AsyncWait, SessionAsyncAcquire
 from django_dlock.strategies.advisory.sessions import (
-    IDLE_NAME,
     Session,
     Statement,
     WaitCancelled,
@@ -93,17 +92,17 @@ def application_name(req: Request) -> bytes:
     """The session's ``application_name`` while it holds or awaits ``req``'s key:
     ``dlock`` and the holder's owner text (host, pid, thread or task, what it is
     doing), cut to PostgreSQL's 63 bytes; the database's own ``OPTIONS``
-    ``application_name``, when the settings give one."""
+    ``application_name``, when the settings give one.
+
+    Set by the acquiring statement only when the session's name is another
+    (a new holder, or the same doing something else), and kept after the
+    release: a session that holds nothing keeps its last holder's name until
+    the next holder takes it (the pair of a holder that takes one key at a
+    time, over and over, renames nothing: ``set_config`` is server work)."""
     own = _configured_name(req.alias)
     if own is not None:
         return own
     return f"dlock {req.owner}".encode()[:63].decode(errors="ignore").encode()
-
-
-def idle_name(req: Request) -> bytes:
-    """The session's ``application_name`` once it released a key."""
-    own = _configured_name(req.alias)
-    return IDLE_NAME.encode() if own is None else own
 
 
 def _configured_name(alias: str) -> bytes | None:
@@ -126,6 +125,8 @@ _BIGINT, _INT4, _TEXT = 20, 23, 25
 @dataclass(frozen=True)
 class _Statements:
     try_: Statement
+    #: the try that also names the session after its holder
+    try_named: Statement
     unlock: Statement
     holds: Statement
     #: run through psycopg (interruptible): %s placeholders
@@ -137,19 +138,19 @@ def _statements(shared: bool, parts: int, fencing: bool) -> _Statements:
     args, types = ("$1", (_BIGINT,)) if parts == 1 else ("$1, $2", (_INT4, _INT4))
     wait_args = "%s::bigint" if parts == 1 else "%s::int4, %s::int4"
     fence = NEXT_FENCE if fencing else "0"
+    # Without fencing the first column is 0 (acquired) or NULL.
+    try_ = f"SELECT CASE WHEN pg_try_advisory_lock{suffix}({args}) THEN {fence} END, "
     return _Statements(
-        # Without fencing the first column is 0 (acquired) or NULL.
-        # The session takes its holder's name first (pg_locks rows get a name
-        # in pg_stat_activity): the same statement, no round trip of its own.
-        try_=Statement(
-            f"SELECT CASE WHEN pg_try_advisory_lock{suffix}({args}) THEN {fence} END, "
-            f"set_config('application_name', ${len(types) + 1}, false), pg_backend_pid()",
+        try_=Statement(try_ + "pg_backend_pid()", types),
+        # A session whose name is not its holder's takes it first (pg_locks rows
+        # get a name in pg_stat_activity): the same statement, no round trip.
+        try_named=Statement(
+            try_ + f"set_config('application_name', ${len(types) + 1}, false), pg_backend_pid()",
             (*types, _TEXT),
         ),
         unlock=Statement(
-            f"SELECT pg_advisory_unlock{suffix}({args}), "
-            f"set_config('application_name', ${len(types) + 1}, false), pg_backend_pid()",
-            (*types, _TEXT),
+            f"SELECT pg_advisory_unlock{suffix}({args}), pg_backend_pid()",
+            types,
         ),
         holds=Statement(
             "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND "
@@ -196,7 +197,12 @@ class AdvisoryStrategy(SessionAsyncAcquire):
     ) -> Grant | None:
         fenced = fencing()
         sql = _sql(req, fenced)
-        value = session.run(sql.try_, [*lock_params(req.key), application_name(req)])[0]
+        name = application_name(req)
+        if session.named == name:
+            value = session.run(sql.try_, lock_params(req.key))[0]
+        else:
+            value = session.run(sql.try_named, [*lock_params(req.key), name])[0]
+            session.named = name
         fence = None if value is None else int(value)
         if fence is None and not deadline.expired():
             fence = self._wait(session, req, sql, deadline, waiter)
@@ -242,8 +248,7 @@ class AdvisoryStrategy(SessionAsyncAcquire):
         return bool(session.run(_sql(req).holds, holds_params(req))[0] == b"t")
 
     def _unlock(self, session: Session, req: Request) -> bool:
-        params = [*lock_params(req.key), idle_name(req)]
-        return bool(session.run(_sql(req).unlock, params)[0] == b"t")
+        return bool(session.run(_sql(req).unlock, lock_params(req.key))[0] == b"t")
 
     def _database_error(self) -> type[Exception]:
         return psycopg.Error

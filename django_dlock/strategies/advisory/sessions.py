@@ -150,8 +150,9 @@ logger = logging.getLogger("django_dlock")
 
 #: idle sessions kept per alias and process
 MAX_IDLE = 4
-#: the ``application_name`` of a session that holds nothing (PostgreSQL: a
-#: session holding or awaiting a lock is named after its holder)
+#: the ``application_name`` of a new session (PostgreSQL: a session holding or
+#: awaiting a lock is named after its holder, and keeps that name until the
+#: next holder's)
 IDLE_NAME = "django-dlock"
 #: seconds after which an idle pooled session is closed
 IDLE_TIMEOUT = 60.0
@@ -669,6 +670,9 @@ class Session:
         #: key name -> shared? for every lock this session holds
         self.held: dict[str, bool] = {}
         self.token: str | None = None
+        #: the ``application_name`` the session's statements last set
+        #: (PostgreSQL; ``None``: only the one it connected with)
+        self.named: bytes | None = None
         self.holder_ref: weakref.ReferenceType[Holder] | None = None
         self.family = "advisory"
         #: why the session ended (``None`` while it lives)
