@@ -170,6 +170,7 @@ class Settings:
             raise ValueError(f"the {name} setting is invalid: {problem}")
         return None if value is None else float(value)
 
+
 conf = Settings()
 
 
