@@ -54,7 +54,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from django.db import DatabaseError, Error, connections, transaction
+from django.db import DatabaseError, Error, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_dlock import holdings
@@ -305,7 +305,12 @@ def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
         from django_dlock.strategies._pg import sqlstate
 
         # idle in transaction too long, the session terminated, a shutdown
-        if sqlstate(exc) in _SESSION_ENDED:
+        state = sqlstate(exc)
+        if state in _SESSION_ENDED:
+            return True
+        if state is None and _operational(exc) and not _answers(connection):
+            # raised by the driver, not the server ("connection socket
+            # closed"), before the connection was marked closed
             return True
     elif connection.vendor == "mysql":
         code = getattr(exc.__cause__, "args", (None,))[0]
@@ -313,6 +318,29 @@ def _session_ended(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
         if code in (1927, 2006, 2013, 4031):
             return True
     return unreachable(connection, exc)
+
+
+def _operational(exc: BaseException) -> bool:
+    """An ``OperationalError``, Django's or the driver's own."""
+    return isinstance(exc, OperationalError) or type(exc).__name__ == "OperationalError"
+
+
+def _answers(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection``'s PostgreSQL session still answers a statement
+    (an error from the server, such as an aborted transaction's, is an
+    answer). Not asked of a connection in pipeline mode."""
+    raw = connection.connection
+    if raw is None or raw.closed:
+        return False
+    pgconn = getattr(raw, "pgconn", None)
+    if pgconn is not None and pgconn.pipeline_status:
+        return True
+    try:
+        with raw.cursor() as cur:
+            cur.execute("SELECT 1")
+    except Exception as probe:
+        return bool(getattr(probe, "sqlstate", None) or getattr(probe, "pgcode", None))
+    return True
 
 
 def _why_ended(
